@@ -1,0 +1,71 @@
+"""A scripted model for contract tests: its next token follows a script chosen by the test.
+
+It runs behind the real engine — scheduler, paged KV, sampler, stop classification — so tests
+drive every layer but the weights. It keeps the context's token ids *in the KV cache* (one K
+value per token), so a prefill → decode handoff only works if the blocks really moved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from pegaserve.engine.attention import AttentionBatch, gather_context, store_kv
+from pegaserve.engine.model_config import ModelConfig
+
+SCRIPT_LOGIT = 30.0  # the scripted token's logit; its logprob is about -5e-9 over the Qwen vocab
+RUNNER_UP_LOGIT = 10.0  # what wins when the scripted token is masked (min_tokens)
+
+
+class ScriptedModel(nn.Module):
+    """`script[prompt_ids]` is the sequence of tokens to generate after that prompt. Past the end
+    of its script — or with no script — a context continues with `default_token_id`; when the
+    scripted token is masked out of sampling, `runner_up_token_id` wins."""
+
+    def __init__(
+        self,
+        base: ModelConfig,
+        script: Mapping[Sequence[int], Sequence[int]],
+        default_token_id: int = 64,  # "a"
+        runner_up_token_id: int = 65,  # "b"
+    ) -> None:
+        super().__init__()
+        self.config = dataclasses.replace(base, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32)
+        self.script = {tuple(k): tuple(v) for k, v in script.items()}
+        self.default_token_id = default_token_id
+        self.runner_up_token_id = runner_up_token_id
+
+    def next_token(self, context: Sequence[int]) -> int:
+        context = tuple(context)
+        best: tuple[int, ...] | None = None
+        for prompt in self.script:
+            if context[: len(prompt)] == prompt and (best is None or len(prompt) > len(best)):
+                best = prompt
+        if best is None:
+            return self.default_token_id
+        tokens = self.script[best]
+        index = len(context) - len(best)
+        return tokens[index] if index < len(tokens) else self.default_token_id
+
+    def forward(self, input_ids, positions, kv_cache, batch: AttentionBatch) -> torch.Tensor:
+        kv_layer = kv_cache[0]
+        ids = input_ids.to(torch.float32)[:, None, None]  # [num_tokens, 1, 1]
+        store_kv(ids, ids, kv_layer, batch.slot_mapping)
+        hidden = torch.zeros(len(input_ids), 1)
+        end = 0
+        block_size = kv_layer.shape[2]
+        for i, (q_len, ctx_len) in enumerate(zip(batch.query_lens, batch.context_lens_cpu)):
+            end += q_len
+            blocks = batch.block_tables[i, : -(-ctx_len // block_size)]
+            k_ctx, _ = gather_context(kv_layer, blocks, ctx_len)
+            hidden[end - 1, 0] = self.next_token(k_ctx[:, 0, 0].long().tolist())
+        return hidden  # [num_tokens, 1]: the next token id, at each request's last row
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = torch.zeros(hidden.shape[0], self.config.vocab_size)
+        logits[:, self.runner_up_token_id] = RUNNER_UP_LOGIT
+        logits.scatter_(1, hidden.long(), SCRIPT_LOGIT)
+        return logits

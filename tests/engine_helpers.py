@@ -1,0 +1,41 @@
+"""Small helpers shared by the engine tests."""
+
+from __future__ import annotations
+
+from pegaserve.engine.engine import Engine
+from pegaserve.engine.request import EngineRequest, SamplingParams, StepOutput
+from pegaserve.stop import StopPolicy
+
+EOS_IDS = frozenset({151645, 151643})
+
+
+def greedy_request(request_id: str, prompt: list[int], max_tokens: int, **policy) -> EngineRequest:
+    policy = {"eos_token_ids": EOS_IDS, "ignore_eos": True, **policy}
+    return EngineRequest(request_id, tuple(prompt), SamplingParams(temperature=0.0), StopPolicy(max_tokens, **policy))
+
+
+def run_to_completion(engine: Engine, max_steps: int = 10_000) -> dict[str, list[StepOutput]]:
+    """Step until idle; each request's outputs, in order."""
+    outputs: dict[str, list[StepOutput]] = {}
+    for _ in range(max_steps):
+        if not engine.has_work():
+            return outputs
+        for output in engine.step():
+            outputs.setdefault(output.request_id, []).append(output)
+    raise AssertionError("engine did not go idle")
+
+
+def token_ids(outputs: list[StepOutput]) -> list[int]:
+    return [t.token_id for o in outputs for t in o.tokens]
+
+
+PROMPTS = [
+    [9707, 11, 1879, 0],
+    [785, 3974, 13876, 38835, 34208, 916, 279, 15678, 5562, 13],
+    [16],
+    list(range(1000, 1037)),
+    [151644, 872, 198, 14990, 151645, 198, 151644, 77091, 198],
+    list(range(5000, 5070, 3)),
+    [220, 16, 11, 220, 17],
+    list(range(20000, 20100)),
+]

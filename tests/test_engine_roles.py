@@ -1,0 +1,111 @@
+"""Roles (prefill-only → decode-only equals colocated), preemption and block conservation."""
+
+import pytest
+
+from engine_helpers import EOS_IDS, PROMPTS, greedy_request, run_to_completion, token_ids
+from pegaserve.engine.build import load_engine, scripted_engine
+from pegaserve.engine.engine import EngineConfig, Role
+from pegaserve.engine.request import Handoff
+from pegaserve.stop import Eos, Length
+
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def colocated_tokens(tiny_model_dir):
+    engine = load_engine(tiny_model_dir, EngineConfig(num_blocks=256), attention_backend="sdpa")
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(greedy_request(f"r{i}", prompt, NEW_TOKENS))
+    outputs = run_to_completion(engine)
+    return {rid: token_ids(outs) for rid, outs in outputs.items()}
+
+
+def prefill_then_decode(prefill, decode, requests, move_kv=True):
+    """Hand every non-terminal prefill over to decode, in process; returns outputs and import flags."""
+    for request in requests:
+        prefill.add_request(request)
+    first = run_to_completion(prefill)
+    specs = {r.request_id: r for r in requests}
+    imported = {}
+    for rid, outs in first.items():
+        assert len(outs) == 1
+        if outs[0].finish is not None:
+            continue  # terminal first token: nothing exported (rule 21)
+        kv = prefill.export_kv(rid) if move_kv else None
+        assert prefill.release(rid)
+        imported[rid] = decode.add_handoff(Handoff(specs[rid], outs[0].tokens[0], kv))
+    rest = run_to_completion(decode)
+    return {rid: token_ids(first[rid] + rest.get(rid, [])) for rid in first}, first, imported
+
+
+def test_prefill_then_decode_equals_colocated(tiny_model_dir, colocated_tokens):
+    prefill = load_engine(tiny_model_dir, EngineConfig(role=Role.PREFILL, num_blocks=256), attention_backend="sdpa")
+    decode = load_engine(tiny_model_dir, EngineConfig(role=Role.DECODE, num_blocks=256), attention_backend="sdpa")
+    requests = [greedy_request(f"r{i}", p, NEW_TOKENS) for i, p in enumerate(PROMPTS)]
+    tokens, _, imported = prefill_then_decode(prefill, decode, requests)
+    assert tokens == colocated_tokens
+    assert all(imported.values())
+    for engine in (prefill, decode):
+        engine.pool.check_conservation()
+        assert engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
+def test_decode_without_kv_recomputes_the_prompt(tiny_model_dir, colocated_tokens):
+    prefill = load_engine(tiny_model_dir, EngineConfig(role=Role.PREFILL, num_blocks=256), attention_backend="sdpa")
+    decode = load_engine(tiny_model_dir, EngineConfig(role=Role.DECODE, num_blocks=256), attention_backend="sdpa")
+    requests = [greedy_request(f"r{i}", p, NEW_TOKENS) for i, p in enumerate(PROMPTS)]
+    tokens, _, imported = prefill_then_decode(prefill, decode, requests, move_kv=False)
+    assert tokens == colocated_tokens
+    assert not any(imported.values())
+
+
+def test_terminal_first_token_exports_nothing(tiny_model_dir):
+    script = {(7, 8, 9): [151645, 5]}
+    prefill = scripted_engine(tiny_model_dir, script, EngineConfig(role=Role.PREFILL, num_blocks=32))
+    decode = scripted_engine(tiny_model_dir, script, EngineConfig(role=Role.DECODE, num_blocks=32))
+    requests = [
+        greedy_request("eos", [7, 8, 9], 8, ignore_eos=False),
+        greedy_request("len1", [1, 2], 1),
+        greedy_request("go", [7, 8, 9], 3, ignore_eos=True),
+    ]
+    tokens, first, _ = prefill_then_decode(prefill, decode, requests)
+    assert first["eos"][0].finish == Eos(151645) and tokens["eos"] == [151645]
+    assert first["len1"][0].finish == Length() and tokens["len1"] == [64]
+    assert not prefill.parked and prefill.pool.num_free_blocks == prefill.pool.num_blocks
+    assert tokens["go"] == [151645, 5, 64]  # decode continued after the first token, from moved KV
+
+
+def test_preemption_under_a_tiny_block_budget_gives_identical_tokens(tiny_model_dir, colocated_tokens):
+    # 8 requests need ~30 blocks at their longest; 12 blocks of 16 force recompute preemptions.
+    engine = load_engine(tiny_model_dir, EngineConfig(num_blocks=12, block_size=16), attention_backend="sdpa")
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(greedy_request(f"r{i}", prompt, NEW_TOKENS))
+    outputs = run_to_completion(engine)
+    assert {rid: token_ids(o) for rid, o in outputs.items()} == colocated_tokens
+    assert engine.scheduler.num_preemptions > 0
+    engine.pool.check_conservation()
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
+def test_abort_returns_blocks_wherever_the_request_is(tiny_model_dir):
+    engine = scripted_engine(tiny_model_dir, {}, EngineConfig(num_blocks=16, max_num_seqs=2))
+    for i in range(4):
+        engine.add_request(greedy_request(f"r{i}", [1, 2, 3], 20))
+    engine.step()  # r0, r1 running; r2, r3 waiting
+    assert engine.abort("r0") and engine.abort("r3")
+    assert not engine.abort("r0")
+    run_to_completion(engine)
+    engine.pool.check_conservation()
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+    prefill = scripted_engine(tiny_model_dir, {}, EngineConfig(role=Role.PREFILL, num_blocks=16))
+    prefill.add_request(greedy_request("p", [1, 2, 3], 5))
+    (out,) = prefill.step()
+    assert out.finish is None and prefill.parked_block_ids("p")
+    assert prefill.abort("p") and prefill.pool.num_free_blocks == 16
+
+
+def test_eos_ids_stop_when_not_ignored(tiny_model_dir):
+    engine = scripted_engine(tiny_model_dir, {(4,): [10, 151643, 11]}, EngineConfig(num_blocks=16))
+    engine.add_request(greedy_request("r", [4], 10, ignore_eos=False, eos_token_ids=EOS_IDS))
+    (outputs,) = run_to_completion(engine).values()
+    assert token_ids(outputs) == [10, 151643] and outputs[-1].finish == Eos(151643)
