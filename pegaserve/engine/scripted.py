@@ -16,8 +16,13 @@ from torch import nn
 from pegaserve.engine.attention import AttentionBatch, gather_context, store_kv
 from pegaserve.engine.model_config import ModelConfig
 
-SCRIPT_LOGIT = 30.0  # the scripted token's logit; its logprob is about -5e-9 over the Qwen vocab
 RUNNER_UP_LOGIT = 10.0  # what wins when the scripted token is masked (min_tokens)
+
+
+def script_logit(position: int) -> float:
+    """The scripted token's logit: it always wins, with a logprob (about -0.1 to -1.2 over the
+    Qwen vocabulary) that differs by position, so tests can tell tokens' logprobs apart."""
+    return 14.0 + 0.5 * (position % 5)
 
 
 class ScriptedModel(nn.Module):
@@ -54,7 +59,7 @@ class ScriptedModel(nn.Module):
         kv_layer = kv_cache[0]
         ids = input_ids.to(torch.float32)[:, None, None]  # [num_tokens, 1, 1]
         store_kv(ids, ids, kv_layer, batch.slot_mapping)
-        hidden = torch.zeros(len(input_ids), 1)
+        hidden = torch.zeros(len(input_ids), 2)  # (next token id, its logit) at each request's last row
         end = 0
         block_size = kv_layer.shape[2]
         for i, (q_len, ctx_len) in enumerate(zip(batch.query_lens, batch.context_lens_cpu)):
@@ -62,10 +67,11 @@ class ScriptedModel(nn.Module):
             blocks = batch.block_tables[i, : -(-ctx_len // block_size)]
             k_ctx, _ = gather_context(kv_layer, blocks, ctx_len)
             hidden[end - 1, 0] = self.next_token(k_ctx[:, 0, 0].long().tolist())
-        return hidden  # [num_tokens, 1]: the next token id, at each request's last row
+            hidden[end - 1, 1] = script_logit(ctx_len)
+        return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = torch.zeros(hidden.shape[0], self.config.vocab_size)
         logits[:, self.runner_up_token_id] = RUNNER_UP_LOGIT
-        logits.scatter_(1, hidden.long(), SCRIPT_LOGIT)
+        logits.scatter_(1, hidden[:, :1].long(), hidden[:, 1:])
         return logits

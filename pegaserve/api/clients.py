@@ -1,0 +1,62 @@
+"""What the ingress talks to: an engine client and a ledger client, colocated or across Ray.
+
+The P/D deployments implement the same two interfaces, so the HTTP app is one and the same.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+
+from pegaserve.engine.async_engine import AsyncEngine
+from pegaserve.engine.request import EngineRequest, StepOutput
+from pegaserve.ledger import Ledger, LedgerEvent
+
+
+class EngineClient(ABC):
+    @abstractmethod
+    def generate(self, request: EngineRequest) -> AsyncIterator[StepOutput]:
+        """The request's step outputs until it finishes. Closing the iterator early aborts the
+        request on whichever replica holds it."""
+
+    async def stats(self) -> dict:
+        return {}
+
+
+class LedgerClient(ABC):
+    @abstractmethod
+    async def record(self, events: list[LedgerEvent], component: str) -> None: ...
+
+    @abstractmethod
+    async def get(self, request_id: str) -> dict | None: ...
+
+    @abstractmethod
+    async def summary(self) -> dict: ...
+
+
+class LocalEngineClient(EngineClient):
+    """Colocated: one engine, prefill and decode, in this process."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[StepOutput]:
+        return self.engine.generate(request)
+
+    async def stats(self) -> dict:
+        stats = await self.engine.call(lambda engine: engine.stats())
+        return {"colocated": [stats.__dict__]}
+
+
+class LocalLedgerClient(LedgerClient):
+    def __init__(self, ledger: Ledger | None = None) -> None:
+        self.ledger = ledger or Ledger()
+
+    async def record(self, events: list[LedgerEvent], component: str) -> None:
+        self.ledger.record(events, component)
+
+    async def get(self, request_id: str) -> dict | None:
+        return self.ledger.get(request_id)
+
+    async def summary(self) -> dict:
+        return self.ledger.summary()

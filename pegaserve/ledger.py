@@ -1,0 +1,227 @@
+"""The lifecycle ledger's data model: typed events per request, the record they build, and the
+per-request invariants. The Ray actor (deployments/ledger.py) only hosts a `Ledger`.
+
+Events arrive batched (one call per request phase, never per token) from the ingress, prefill and
+decode. Memory is bounded: only the most recent `max_records` finished records are kept.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+
+from pegaserve.stop import Eos, StopCause, Token, cause_kind, finish_reason, stop_reason, triggering_token
+
+
+@dataclass(frozen=True)
+class Arrived:
+    request_id: str
+    prompt_tokens: int
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    request_id: str
+    first_token_id: int
+    first_logprob: float
+    replica: str
+
+
+@dataclass(frozen=True)
+class KvSent:
+    request_id: str
+    transport: str
+    kv_bytes: int
+    seconds: float
+    prefill_replica: str
+    decode_replica: str
+
+
+@dataclass(frozen=True)
+class KvReceived:
+    request_id: str
+    transport: str
+    kv_bytes: int
+    seconds: float
+    decode_replica: str
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """Decode recomputed the prompt: the transfer failed or the lease expired."""
+
+    request_id: str
+    reason: str
+    decode_replica: str
+
+
+@dataclass(frozen=True)
+class TokensCommitted:
+    """The tokens the client was given, through the trigger (decided by the ingress)."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Finished:
+    request_id: str
+    cause: StopCause
+    prompt_tokens: int  # the usage sent to the client
+    completion_tokens: int
+
+
+LedgerEvent = Arrived | Prefilled | KvSent | KvReceived | Fallback | TokensCommitted | Finished
+
+
+@dataclass
+class _Record:
+    request_id: str
+    events: list[tuple[str, float, str]] = field(default_factory=list)  # (name, t, component)
+    prompt_tokens: int | None = None
+    committed_token_ids: list[int] = field(default_factory=list)
+    first_token: tuple[int, float] | None = None
+    kv_sent: KvSent | None = None
+    kv_received: KvReceived | None = None
+    fallback: Fallback | None = None
+    finished: Finished | None = None
+    violations: list[str] = field(default_factory=list)
+
+
+class Ledger:
+    def __init__(self, max_records: int = 10_000) -> None:
+        self.max_records = max_records
+        self._records: OrderedDict[str, _Record] = OrderedDict()
+        self._num_violations = 0
+        self._status_counts: Counter[str] = Counter()
+        self._cause_counts: Counter[str] = Counter()
+        self._num_evicted = 0
+
+    def record(self, events: list[LedgerEvent], component: str, t: float | None = None) -> None:
+        t = time.time() if t is None else t
+        for event in events:
+            rec = self._records.get(event.request_id)
+            if rec is None:
+                rec = self._records[event.request_id] = _Record(event.request_id)
+            rec.events.append((_event_name(event), t, component))
+            self._apply(rec, event)
+        self._evict()
+
+    def _apply(self, rec: _Record, event: LedgerEvent) -> None:
+        match event:
+            case Arrived(prompt_tokens=n):
+                rec.prompt_tokens = n
+            case Prefilled(first_token_id=token_id, first_logprob=logprob):
+                rec.first_token = (token_id, logprob)
+            case KvSent():
+                rec.kv_sent = event
+            case KvReceived():
+                rec.kv_received = event
+            case Fallback():
+                rec.fallback = event
+            case TokensCommitted(token_ids=ids):
+                rec.committed_token_ids += ids
+            case Finished():
+                self._finish(rec, event)
+
+    def _finish(self, rec: _Record, event: Finished) -> None:
+        if rec.finished is not None:
+            self._violate(rec, "more than one terminal event")
+            return
+        rec.finished = event
+        self._status_counts[_status(event.cause)] += 1
+        self._cause_counts[cause_kind(event.cause)] += 1
+        for problem in check_invariants(rec):
+            self._violate(rec, problem)
+
+    def _violate(self, rec: _Record, problem: str) -> None:
+        rec.violations.append(problem)
+        self._num_violations += 1
+
+    def _evict(self) -> None:
+        while len(self._records) > self.max_records:
+            oldest = next(iter(self._records.values()))
+            if oldest.finished is None and len(self._records) < 2 * self.max_records:
+                break  # keep in-flight records unless something is badly wrong
+            self._records.popitem(last=False)
+            self._num_evicted += 1
+
+    def get(self, request_id: str) -> dict | None:
+        rec = self._records.get(request_id)
+        return None if rec is None else _to_json(rec)
+
+    def summary(self) -> dict:
+        in_flight = sum(1 for r in self._records.values() if r.finished is None)
+        return {
+            "num_records": len(self._records),
+            "num_evicted": self._num_evicted,
+            "by_status": {**self._status_counts, "in_flight": in_flight},
+            "by_stop_cause": dict(self._cause_counts),
+            "invariant_violations": self._num_violations,
+        }
+
+
+def check_invariants(rec: _Record) -> list[str]:
+    """Per-request invariants, checked when the terminal event arrives."""
+    fin = rec.finished
+    assert fin is not None
+    problems = []
+    if fin.completion_tokens != len(rec.committed_token_ids):
+        problems.append(f"completion_tokens {fin.completion_tokens} != {len(rec.committed_token_ids)} committed")
+    trigger = triggering_token(fin.cause)
+    if isinstance(fin.cause, Eos | Token) and rec.committed_token_ids[-1:] != [trigger]:
+        problems.append(f"trigger {trigger} is not the last committed token")
+    if rec.prompt_tokens is not None and fin.prompt_tokens != rec.prompt_tokens:
+        problems.append(f"usage prompt_tokens {fin.prompt_tokens} != arrived {rec.prompt_tokens}")
+    if rec.first_token is not None and rec.committed_token_ids and rec.committed_token_ids[0] != rec.first_token[0]:
+        problems.append("the first committed token is not prefill's first token")
+    return problems
+
+
+def _status(cause: StopCause) -> str:
+    kind = cause_kind(cause)
+    return kind if kind in ("abort", "error") else "finished"
+
+
+def _event_name(event: LedgerEvent) -> str:
+    return {
+        Arrived: "arrived", Prefilled: "prefilled", KvSent: "kv_sent", KvReceived: "kv_received",
+        Fallback: "fallback", TokensCommitted: "tokens_committed", Finished: "finished",
+    }[type(event)]
+
+
+def _to_json(rec: _Record) -> dict:
+    fin = rec.finished
+    cause = fin.cause if fin else None
+    handoff = None
+    if rec.kv_sent or rec.fallback or rec.kv_received:
+        sent, received = rec.kv_sent, rec.kv_received
+        handoff = {
+            "transport": (sent or received).transport if (sent or received) else None,
+            "kv_bytes": (sent or received).kv_bytes if (sent or received) else 0,
+            "seconds": received.seconds if received else (sent.seconds if sent else None),
+            "prefill_replica": sent.prefill_replica if sent else None,
+            "decode_replica": (received.decode_replica if received else None)
+            or (rec.fallback.decode_replica if rec.fallback else None)
+            or (sent.decode_replica if sent else None),
+            "fallback": rec.fallback.reason if rec.fallback else None,
+        }
+    return {
+        "request_id": rec.request_id,
+        "status": _status(cause) if cause else "in_flight",
+        "prompt_tokens": fin.prompt_tokens if fin else rec.prompt_tokens,
+        "completion_tokens": fin.completion_tokens if fin else len(rec.committed_token_ids),
+        "finish_reason": finish_reason(cause) if cause else None,
+        "stop_reason": stop_reason(cause) if cause else None,
+        "stop_cause": None if cause is None else {
+            "kind": cause_kind(cause),
+            "token_id": triggering_token(cause),
+            "text": cause.text if hasattr(cause, "text") else None,
+        },
+        "first_token": None if rec.first_token is None else {"id": rec.first_token[0], "logprob": rec.first_token[1]},
+        "handoff": handoff,
+        "events": [{"name": n, "t": t, "component": c} for n, t, c in rec.events],
+        "violations": list(rec.violations),
+    }
