@@ -11,19 +11,21 @@ from pegaserve.api.validation import Limits, ModelInfo
 from pegaserve.default_model import DEFAULT_MODEL_NAME, ensure_model_dir
 from pegaserve.engine.async_engine import AsyncEngine
 from pegaserve.engine.build import load_engine, scripted_engine
-from pegaserve.engine.engine import Engine, EngineConfig
+from pegaserve.engine.engine import EngineConfig
+from pegaserve.engine.model_config import ModelConfig
 from pegaserve.tokenizer import Tokenizer
 
 
-def model_info(name: str, model_dir: Path, engine: Engine, tokenizer: Tokenizer) -> ModelInfo:
-    eos = set(engine.model_config.eos_token_ids)
+def model_info(name: str, config: ModelConfig, max_model_len: int | None, tokenizer: Tokenizer) -> ModelInfo:
+    """What the API validates against; `max_model_len=None` means the model's own context."""
+    eos = set(config.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
     return ModelInfo(
         name=name,
-        root=str(model_dir),
-        max_model_len=engine.max_model_len,
-        vocab_size=engine.model_config.vocab_size,
+        root=str(config.model_dir),
+        max_model_len=min(max_model_len or config.max_position_embeddings, config.max_position_embeddings),
+        vocab_size=config.vocab_size,
         eos_token_ids=frozenset(eos),
     )
 
@@ -46,5 +48,5 @@ def build_local_server(
     else:
         engine = scripted_engine(model_dir, script, engine_config)
     tokenizer = Tokenizer(model_dir)
-    info = model_info(served_name(model), model_dir, engine, tokenizer)
+    info = model_info(served_name(model), ModelConfig.from_dir(model_dir), engine_config.max_model_len, tokenizer)
     return Server(LocalEngineClient(AsyncEngine(engine)), tokenizer, info, LocalLedgerClient(), limits)

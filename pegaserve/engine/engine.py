@@ -147,6 +147,16 @@ class Engine:
     def parked_block_ids(self, request_id: str) -> list[int]:
         return list(self.parked[request_id].block_ids)
 
+    def export_shape(self, request_id: str) -> tuple[int, ...]:
+        """The shape `export_kv` will have, without copying anything."""
+        shape = list(self.runner.kv_cache.shape)
+        shape[2] = len(self.parked[request_id].block_ids)
+        return tuple(shape)
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return self.runner.kv_cache.dtype
+
     def export_kv(self, request_id: str) -> torch.Tensor:
         """The prompt's KV, packed: `[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]`."""
         return self.runner.export_blocks(self.parked[request_id].block_ids)

@@ -1,0 +1,48 @@
+"""What every replica needs: its engine, its name, the ledger actor."""
+
+from __future__ import annotations
+
+import logging
+
+from ray import serve
+
+from deployments.config import AppArgs
+from deployments.ledger import get_or_create_ledger
+from pegaserve.default_model import ensure_model_dir
+from pegaserve.engine.async_engine import AsyncEngine
+from pegaserve.engine.build import load_engine, scripted_engine
+from pegaserve.engine.engine import EngineConfig, Role
+
+log = logging.getLogger("ray.serve")
+
+
+def engine_config(args: AppArgs, role: Role) -> EngineConfig:
+    e = args.engine
+    return EngineConfig(
+        role=role,
+        block_size=e.block_size,
+        num_blocks=e.num_blocks,
+        max_num_seqs=e.max_num_seqs,
+        max_num_batched_tokens=e.max_num_batched_tokens,
+        max_model_len=e.max_model_len,
+    )
+
+
+def build_engine(args: AppArgs, role: Role) -> AsyncEngine:
+    model_dir = ensure_model_dir(args.model)
+    config = engine_config(args, role)
+    script = args.parsed_script()
+    if script is not None:
+        return AsyncEngine(scripted_engine(model_dir, script, config))
+    return AsyncEngine(load_engine(model_dir, config, args.engine.attention_backend, args.engine.device))
+
+
+def replica_name() -> str:
+    """`Deployment#id`: unique per replica, stable for its life, readable in the ledger."""
+    context = serve.get_replica_context()
+    return f"{context.deployment}#{context.replica_id.unique_id}"
+
+
+def ledger_actor(max_records: int = 10_000):
+    """The cluster's one ledger actor, created by whichever replica asks first."""
+    return get_or_create_ledger(max_records)

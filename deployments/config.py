@@ -1,0 +1,80 @@
+"""The application's arguments (the `args:` of configs/cluster.yaml), validated once at the edge."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from pegaserve.default_model import DEFAULT_MODEL_NAME, ensure_model_dir
+
+Transport = Literal["nccl", "gloo", "object_store"]
+
+
+class EngineArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    block_size: int = Field(16, ge=1, description="tokens per KV block")
+    num_blocks: int = Field(2048, ge=1, description="KV blocks per replica")
+    max_num_seqs: int = Field(64, ge=1, description="requests decoded together")
+    max_num_batched_tokens: int = Field(8192, ge=1, description="prompt tokens per prefill step")
+    max_model_len: int | None = Field(None, ge=2, description="context length; default: the model's")
+    attention_backend: Literal["auto", "sdpa", "triton"] = "auto"
+    device: Literal["cpu", "cuda"] = "cpu"
+
+
+class LimitsArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_stop_strings: int = Field(16, ge=0)
+    max_stop_string_chars: int = Field(256, ge=1)
+    max_stop_token_ids: int = Field(262_144, ge=0, description="admits a whole-vocabulary stop set")
+    max_logprobs: int = Field(20, ge=0)
+
+
+class AppArgs(BaseModel):
+    """`serve run configs/cluster.yaml` passes these to `deployments.app:build_app`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(DEFAULT_MODEL_NAME, description="qwen3-tiny (built locally) or a local HF model directory")
+    mode: Literal["pd", "colocated"] = Field("pd", description="prefill/decode disaggregated, or one engine")
+    transport: Transport = Field("gloo", description="how KV moves from prefill to decode")
+    transfer_timeout_s: float = Field(30.0, gt=0, description="a KV transfer that takes longer fails")
+    lease_timeout_s: float = Field(60.0, ge=0, description="prefill frees unclaimed KV blocks after this")
+    ledger_max_records: int = Field(10_000, ge=1)
+    engine: EngineArgs = EngineArgs()
+    limits: LimitsArgs = LimitsArgs()
+    script: dict[str, list[int]] | None = Field(
+        None, description="tests only: prompt ids (comma-separated) -> scripted tokens; replaces the weights"
+    )
+
+    @field_validator("model")
+    @classmethod
+    def _model_exists(cls, model: str) -> str:
+        try:
+            ensure_model_dir(model)
+        except (FileNotFoundError, OSError) as exc:
+            raise ValueError(str(exc)) from exc
+        return model
+
+    @model_validator(mode="after")
+    def _transport_can_run(self) -> "AppArgs":
+        if self.transport == "nccl":
+            if self.engine.device != "cuda":
+                raise ValueError("transport nccl needs engine.device: cuda (use gloo or object_store on CPU)")
+            try:
+                import cupy  # noqa: F401, PLC0415 - only to prove the GPU extra is installed
+            except ImportError as exc:
+                raise ValueError("transport nccl needs cupy: pip install 'pegaserve[gpu]'") from exc
+        if self.engine.device == "cuda":
+            import torch  # noqa: PLC0415
+
+            if not torch.cuda.is_available():
+                raise ValueError("engine.device is cuda but this machine has no CUDA device")
+        return self
+
+    def parsed_script(self) -> dict[tuple[int, ...], list[int]] | None:
+        if self.script is None:
+            return None
+        return {tuple(int(t) for t in key.split(",")): value for key, value in self.script.items()}

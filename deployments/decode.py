@@ -1,0 +1,99 @@
+"""The decode deployment: claim the prompt's KV from the prefill replica that holds it, continue
+after the first token (never re-sampling it), stream one message per engine step."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+from collections.abc import AsyncIterator
+
+import ray
+import torch
+from ray import serve
+
+from deployments.common import build_engine, ledger_actor, replica_name
+from deployments.config import AppArgs
+from deployments.kv import Fetch, FetchReply, Lease
+from deployments.ledger import LEDGER_NAMESPACE
+from deployments.transport import PairChannel, open_pair
+from pegaserve.engine.engine import Role
+from pegaserve.engine.request import EngineRequest, Handoff, SampledToken, StepOutput
+from pegaserve.ledger import Fallback, KvReceived
+
+log = logging.getLogger("ray.serve")
+STATS_PERIOD_S = 1.0
+
+
+@serve.deployment(name="Decode")
+class DecodeServer:
+    async def __init__(self, args: dict) -> None:
+        self.args = AppArgs.model_validate(args)
+        self.engine = build_engine(self.args, Role.DECODE)
+        self.name = replica_name()
+        self.ledger = ledger_actor(self.args.ledger_max_records)
+        self.pairs: dict[str, PairChannel] = {}  # prefill replica -> open channel
+        self.generation: dict[str, int] = defaultdict(int)  # bumped when a channel fails
+        self.peer_locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._stats_task = asyncio.create_task(self._report_stats())
+
+    async def generate(self, spec: EngineRequest, first_token: SampledToken, lease: Lease) -> AsyncIterator[StepOutput]:
+        kv = await self._claim(lease)
+        imported, outputs = await self.engine.continue_handoff(Handoff(spec, first_token, kv))
+        if kv is not None and not imported:
+            self.ledger.record.remote([Fallback(spec.request_id, "no free blocks to import", self.name)], self.name)
+        async for output in outputs:
+            yield output
+
+    async def _claim(self, lease: Lease) -> torch.Tensor | None:
+        """The prompt's KV from its prefill replica, or None (decode then recomputes the prompt)."""
+        start = time.perf_counter()
+        try:
+            kv = await asyncio.wait_for(self._fetch(lease), self.args.transfer_timeout_s)
+        except Exception as exc:  # a failed transfer costs a recompute, never the request
+            log.warning("KV fetch for %s failed (%s); recomputing", lease.request_id, exc)
+            kv, reason = None, f"transfer failed: {type(exc).__name__}: {exc}"
+        else:
+            reason = "lease expired or unknown" if kv is None else ""
+        if kv is None:
+            self.ledger.record.remote([Fallback(lease.request_id, reason, self.name)], self.name)
+            return None
+        seconds = time.perf_counter() - start
+        event = KvReceived(lease.request_id, self.args.transport, kv.numel() * kv.element_size(), seconds, self.name)
+        self.ledger.record.remote([event], self.name)
+        return kv
+
+    async def _fetch(self, lease: Lease) -> torch.Tensor | None:
+        port = ray.get_actor(lease.port_name, namespace=LEDGER_NAMESPACE)
+        peer = lease.prefill_replica
+        async with self.peer_locks[peer]:  # one transfer per pair at a time: both sides agree on order
+            group = f"{peer}-{self.name}-{self.generation[peer]}"
+            try:
+                reply: FetchReply = await port.call.remote(Fetch(lease.request_id, self.name, group))
+                if not reply.ok:
+                    return None
+                if reply.kv_ref is not None:
+                    return await reply.kv_ref[0]
+                buffer = torch.empty(lease.kv_shape, dtype=getattr(torch, lease.kv_dtype),
+                                     device=self.args.engine.device)
+                pair = self.pairs.get(peer)
+                if pair is None:
+                    timeout = self.args.transfer_timeout_s
+                    pair = await asyncio.to_thread(open_pair, self.args.transport, group, 1, timeout)
+                    self.pairs[peer] = pair
+                await asyncio.to_thread(pair.recv, buffer)
+                return buffer
+            except BaseException:
+                self.pairs.pop(peer, None)
+                self.generation[peer] += 1  # both sides move to a fresh group
+                raise
+
+    async def _report_stats(self) -> None:
+        while True:
+            stats = await self.engine.call(lambda e: e.stats())
+            self.ledger.report_stats.remote(self.name, {**stats.__dict__, "role": "decode"})
+            await asyncio.sleep(STATS_PERIOD_S)
+
+    def __del__(self) -> None:
+        self.engine.shutdown()

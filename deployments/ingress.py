@@ -1,0 +1,119 @@
+"""The ingress deployment: the OpenAI app of `pegaserve.api`, talking to prefill and decode (or to
+one colocated engine) through Serve handles, and to the ledger actor."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+from ray import serve
+
+from deployments.common import ledger_actor
+from deployments.config import AppArgs
+from deployments.kv import Release
+from pegaserve.api.app import build_app
+from pegaserve.api.clients import EngineClient, LedgerClient
+from pegaserve.api.local import model_info, served_name
+from pegaserve.api.serving import Server
+from pegaserve.api.validation import Limits
+from pegaserve.default_model import ensure_model_dir
+from pegaserve.engine.model_config import ModelConfig
+from pegaserve.engine.request import EngineRequest, StepOutput
+from pegaserve.ledger import LedgerEvent
+from pegaserve.tokenizer import Tokenizer
+
+log = logging.getLogger("ray.serve")
+
+
+class DisaggregatedClient(EngineClient):
+    """Prefill first; decode only when the first token is not terminal (rule 21)."""
+
+    def __init__(self, prefill, decode, ledger) -> None:
+        self.prefill = prefill
+        self.decode = decode
+        self.ledger = ledger
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[StepOutput]:
+        result = await self.prefill.prefill.remote(request)
+        stream = None
+        finished = result.lease is None
+        try:
+            yield result.output
+            if result.lease is None:
+                return
+            first = result.output.tokens[0]
+            stream = self.decode.options(stream=True).generate.remote(request, first, result.lease)
+            async for output in stream:
+                finished = output.finish is not None
+                yield output
+        finally:
+            if stream is None and result.lease is not None:  # the ingress stopped at the first token
+                _port(result.lease).call.remote(Release(request.request_id))
+            elif stream is not None and not finished:
+                stream.cancel()  # the client left, or a stop string fired: abort on decode
+
+    async def stats(self) -> dict:
+        return await self.ledger.stats.remote()
+
+
+class ColocatedClient(EngineClient):
+    def __init__(self, engine, ledger) -> None:
+        self.engine = engine
+        self.ledger = ledger
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[StepOutput]:
+        stream = self.engine.options(stream=True).generate.remote(request)
+        finished = False
+        try:
+            async for output in stream:
+                finished = output.finish is not None
+                yield output
+        finally:
+            if not finished:
+                stream.cancel()
+
+    async def stats(self) -> dict:
+        return await self.ledger.stats.remote()
+
+
+class ActorLedgerClient(LedgerClient):
+    def __init__(self, actor) -> None:
+        self.actor = actor
+
+    async def record(self, events: list[LedgerEvent], component: str) -> None:
+        await self.actor.record.remote(events, component)
+
+    async def get(self, request_id: str) -> dict | None:
+        return await self.actor.get.remote(request_id)
+
+    async def summary(self) -> dict:
+        return await self.actor.summary.remote()
+
+
+def _port(lease):
+    import ray  # noqa: PLC0415
+
+    from deployments.ledger import LEDGER_NAMESPACE  # noqa: PLC0415
+
+    return ray.get_actor(lease.port_name, namespace=LEDGER_NAMESPACE)
+
+
+@serve.deployment(name="Ingress")
+@serve.ingress()
+class Ingress:
+    def __init__(self, args: dict, prefill=None, decode=None, colocated=None) -> None:
+        self.args = AppArgs.model_validate(args)
+        model_dir = ensure_model_dir(self.args.model)
+        tokenizer = Tokenizer(model_dir)
+        config = ModelConfig.from_dir(model_dir)
+        info = model_info(served_name(self.args.model), config, self.args.engine.max_model_len, tokenizer)
+        ledger = ledger_actor(self.args.ledger_max_records)
+        if colocated is not None:
+            engine: EngineClient = ColocatedClient(colocated, ledger)
+        else:
+            engine = DisaggregatedClient(prefill, decode, ledger)
+        limits = Limits(**self.args.limits.model_dump())
+        self.server = Server(engine, tokenizer, info, ActorLedgerClient(ledger), limits)
+
+    def __serve_build_asgi_app__(self):
+        return build_app(self.server)
