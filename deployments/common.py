@@ -38,9 +38,13 @@ def build_engine(args: AppArgs, role: Role) -> AsyncEngine:
 
 
 def replica_name() -> str:
-    """`Deployment#id`: unique per replica, stable for its life, readable in the ledger."""
+    """`app/Deployment#id`: unique per replica, stable for its life, readable in the ledger."""
     context = serve.get_replica_context()
-    return f"{context.deployment}#{context.replica_id.unique_id}"
+    return f"{context.app_name}/{context.deployment}#{context.replica_id.unique_id}"
+
+
+def app_name() -> str:
+    return serve.get_replica_context().app_name
 
 
 def ledger_actor(max_records: int = 10_000):

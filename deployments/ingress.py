@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 from ray import serve
 
-from deployments.common import ledger_actor
+from deployments.common import app_name, ledger_actor
 from deployments.config import AppArgs
 from deployments.kv import Release
 from pegaserve.api.app import build_app
@@ -53,7 +53,7 @@ class DisaggregatedClient(EngineClient):
                 stream.cancel()  # the client left, or a stop string fired: abort on decode
 
     async def stats(self) -> dict:
-        return await self.ledger.stats.remote()
+        return await app_stats(self.ledger)
 
 
 class ColocatedClient(EngineClient):
@@ -73,7 +73,13 @@ class ColocatedClient(EngineClient):
                 stream.cancel()
 
     async def stats(self) -> dict:
-        return await self.ledger.stats.remote()
+        return await app_stats(self.ledger)
+
+
+async def app_stats(ledger) -> dict:
+    """The latest engine stats of this app's replicas, as they reported them to the ledger actor."""
+    prefix = f"{app_name()}/"
+    return {name: s for name, s in (await ledger.stats.remote()).items() if name.startswith(prefix)}
 
 
 class ActorLedgerClient(LedgerClient):

@@ -84,7 +84,9 @@ class PrefillServer:
                 await self._release(fetch.request_id)
 
     async def _fetch(self, key: str, fetch: Fetch) -> None:
-        if self.leases.pop(fetch.request_id, None) is None:
+        expiry = self.leases.pop(fetch.request_id, None)
+        if expiry is None or expiry <= time.monotonic():
+            await self._release(fetch.request_id)
             await self.port.reply.remote(key, FetchReply(False, "lease expired or unknown"))
             return
         start = time.perf_counter()

@@ -1,0 +1,69 @@
+"""Running pegaserve apps on a local Ray cluster inside the test process."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import ray
+from ray import serve
+
+from deployments.colocated import ColocatedServer
+from deployments.config import AppArgs
+from deployments.decode import DecodeServer
+from deployments.ingress import Ingress
+from deployments.prefill import PrefillServer
+
+HTTP_PORT = 8123  # not 8000: a developer's `make serve` may be running
+BASE = f"http://127.0.0.1:{HTTP_PORT}"
+SMALL = {"num_cpus": 0.1}
+
+
+def start_ray(**init_kwargs) -> None:
+    if not ray.is_initialized():
+        ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, **init_kwargs)
+    serve.start(http_options={"host": "127.0.0.1", "port": HTTP_PORT})
+
+
+def deploy(name: str, args: dict, num_prefill: int = 1, num_decode: int = 1, actor_options: dict = SMALL,
+           prefill_options: dict | None = None, decode_options: dict | None = None) -> str:
+    """Deploy one pegaserve app at /<name>; returns its base URL."""
+    plain = AppArgs.model_validate(args).model_dump(mode="json")
+    ingress = Ingress.options(ray_actor_options=actor_options)
+    if plain["mode"] == "colocated":
+        app = ingress.bind(plain, colocated=ColocatedServer.options(ray_actor_options=actor_options).bind(plain))
+    else:
+        prefill = PrefillServer.options(num_replicas=num_prefill, ray_actor_options=prefill_options or actor_options)
+        decode = DecodeServer.options(num_replicas=num_decode, ray_actor_options=decode_options or actor_options)
+        app = ingress.bind(plain, prefill=prefill.bind(plain), decode=decode.bind(plain))
+    serve.run(app, name=name, route_prefix=f"/{name}")
+    url = f"{BASE}/{name}"
+    wait_healthy(url)
+    return url
+
+
+def wait_healthy(url: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} not healthy after {timeout_s}s")
+
+
+def wait_for_idle_pools(url: str, replicas: int, timeout_s: float = 30) -> dict:
+    """Engine stats of every replica once all KV blocks are back in their pools."""
+    deadline = time.monotonic() + timeout_s
+    stats: dict = {}
+    while time.monotonic() < deadline:
+        stats = httpx.get(f"{url}/admin/stats").json()
+        if len(stats) >= replicas and all(
+            s["num_free_blocks"] == s["num_blocks"] and s["num_running"] == 0 and s["num_parked"] == 0
+            for s in stats.values()
+        ):
+            return stats
+        time.sleep(0.5)
+    raise AssertionError(f"KV blocks not all back in their pools: {stats}")

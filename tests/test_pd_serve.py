@@ -1,0 +1,152 @@
+"""P/D on a real Ray Serve app (CPU): the contract cases again, greedy parity with transformers,
+each CPU transport, the recompute fallback, and 2 prefill + 2 decode replicas under load."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import httpx
+import openai
+import pytest
+import torch
+from ray import serve
+from transformers import Qwen3ForCausalLM
+
+from pegaserve.tokenizer import Tokenizer
+from tests.contract import cases
+from tests.contract.cases import CASES
+from tests.contract.checks import check_case
+from tests.engine_helpers import PROMPTS
+from tests.serve_helpers import deploy, start_ray, wait_for_idle_pools
+
+pytestmark = pytest.mark.ray
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def ray_serve():
+    start_ray()
+    yield
+    serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def contract_url(ray_serve, tiny_model_dir):
+    script = {",".join(map(str, k)): list(v) for k, v in cases.script(Tokenizer(tiny_model_dir)).items()}
+    return deploy("contract", {"script": script, "transport": "gloo"})
+
+
+@pytest.fixture(scope="module")
+def gloo_url(ray_serve):
+    return deploy("gloo", {"transport": "gloo", "engine": {"num_blocks": 256}}, num_prefill=2, num_decode=2)
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(tiny_model_dir) -> list[list[int]]:
+    hf = Qwen3ForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    out = []
+    with torch.inference_mode():
+        for prompt in PROMPTS:
+            ids = torch.tensor([prompt])
+            for _ in range(NEW_TOKENS):
+                ids = torch.cat([ids, hf(input_ids=ids).logits[:, -1:].argmax(-1)], dim=1)
+            out.append(ids[0, len(prompt):].tolist())
+    return out
+
+
+def greedy_ids(url: str, prompt: list[int]) -> tuple[list[int], str]:
+    body = {"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+    return response["choices"][0]["token_ids"], response["id"]
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[c.name for c in CASES])
+def test_contract_case_through_pd(contract_url, index):
+    client = openai.OpenAI(base_url=f"{contract_url}/v1", api_key="unused", max_retries=0)
+    check_case(client, contract_url, index)
+
+
+def test_first_token_stop_moves_no_kv(contract_url):
+    for name in ("first_token_eos", "stop_string_first_token", "max_tokens_1"):
+        index = next(i for i, c in enumerate(CASES) if c.name == name)
+        client = openai.OpenAI(base_url=f"{contract_url}/v1", api_key="unused", max_retries=0)
+        check_case(client, contract_url, index)
+        from tests.contract.run import ask
+
+        answer, _ = ask(client, index, stream=False)
+        record = httpx.get(f"{contract_url}/admin/ledger/{answer.request_id}").json()
+        assert record["handoff"] is None, name
+        assert record["completion_tokens"] == 1 and record["first_token"]["id"] == CASES[index].generated[0]
+        assert not any(e["component"].startswith("contract/Decode") for e in record["events"]), name
+    wait_for_idle_pools(contract_url, replicas=2)
+
+
+def test_pd_greedy_equals_transformers_over_gloo(gloo_url, reference_tokens):
+    for prompt, expected in zip(PROMPTS, reference_tokens):
+        ids, request_id = greedy_ids(gloo_url, prompt)
+        assert ids == expected
+        handoff = httpx.get(f"{gloo_url}/admin/ledger/{request_id}").json()["handoff"]
+        assert handoff["transport"] == "gloo" and handoff["fallback"] is None and handoff["kv_bytes"] > 0
+
+
+def test_object_store_transport_gives_the_same_tokens(ray_serve, reference_tokens):
+    url = deploy("objstore", {"transport": "object_store", "engine": {"num_blocks": 256}})
+    for prompt, expected in zip(PROMPTS[:4], reference_tokens[:4]):
+        ids, request_id = greedy_ids(url, prompt)
+        assert ids == expected
+        handoff = httpx.get(f"{url}/admin/ledger/{request_id}").json()["handoff"]
+        assert handoff["transport"] == "object_store" and handoff["fallback"] is None
+    serve.delete("objstore")
+
+
+def test_expired_lease_falls_back_to_recompute(ray_serve, reference_tokens):
+    url = deploy("expired", {"transport": "gloo", "lease_timeout_s": 0, "engine": {"num_blocks": 256}})
+    for prompt, expected in zip(PROMPTS[:3], reference_tokens[:3]):
+        ids, request_id = greedy_ids(url, prompt)
+        assert ids == expected
+        record = httpx.get(f"{url}/admin/ledger/{request_id}").json()
+        assert record["handoff"]["fallback"] == "lease expired or unknown" and record["violations"] == []
+    wait_for_idle_pools(url, replicas=2)
+    serve.delete("expired")
+
+
+def test_two_prefill_two_decode_under_32_concurrent_mixed_requests(gloo_url):
+    rng = random.Random(7)
+
+    def body(i: int) -> dict:
+        params = rng.choice([{}, {"stop": [" the", "a"]}, {"stop_token_ids": [11, 13]}, {"ignore_eos": True},
+                             {"min_tokens": 3}, {"logprobs": 2}])
+        return {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": rng.randint(3, 16), "temperature": 0,
+                "stream": i % 2 == 0, "stream_options": {"include_usage": True} if i % 2 == 0 else None, **params}
+
+    async def one(client: httpx.AsyncClient, i: int) -> tuple[str, dict]:
+        request = {k: v for k, v in body(i).items() if v is not None}
+        if not request["stream"]:
+            response = await client.post(f"{gloo_url}/v1/completions", json=request)
+            assert response.status_code == 200, response.text
+            return response.json()["id"], response.json()["usage"]
+        usage, request_id = None, None
+        async with client.stream("POST", f"{gloo_url}/v1/completions", json=request) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    chunk = httpx.Response(200, content=line[6:]).json()
+                    request_id = chunk["id"]
+                    usage = chunk.get("usage") or usage
+        return request_id, usage
+
+    async def run_all():
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(32)))
+
+    results = asyncio.run(run_all())
+    assert len(results) == 32
+    for request_id, usage in results:
+        record = httpx.get(f"{gloo_url}/admin/ledger/{request_id}").json()
+        assert record["status"] == "finished" and record["violations"] == []
+        assert record["completion_tokens"] == usage["completion_tokens"]
+        assert record["prompt_tokens"] == usage["prompt_tokens"]
+    assert httpx.get(f"{gloo_url}/admin/ledger").json()["invariant_violations"] == 0
+    stats = wait_for_idle_pools(gloo_url, replicas=4)
+    assert sum(1 for name in stats if "/Prefill#" in name) == 2 and sum(1 for n in stats if "/Decode#" in n) == 2
