@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from ray import serve
 
 from deployments.config import AppArgs
 from deployments.ledger import get_or_create_ledger
+from deployments.metrics import EngineMetrics
 from pegaserve.default_model import ensure_model_dir
 from pegaserve.engine.async_engine import AsyncEngine
 from pegaserve.engine.build import load_engine, scripted_engine
@@ -45,6 +47,17 @@ def replica_name() -> str:
 
 def app_name() -> str:
     return serve.get_replica_context().app_name
+
+
+async def report_stats_forever(engine: AsyncEngine, ledger, metrics: EngineMetrics, name: str, role: str,
+                               extra=dict, period_s: float = 1.0) -> None:
+    """Every `period_s`: this replica's engine stats to the ledger actor (for /admin/stats, which
+    must see every replica) and to the Ray metrics gauges."""
+    while True:
+        stats = await engine.call(lambda e: e.stats())
+        metrics.update(stats)
+        ledger.report_stats.remote(name, {**stats.__dict__, "role": role, **extra()})
+        await asyncio.sleep(period_s)
 
 
 def ledger_actor(max_records: int = 10_000):

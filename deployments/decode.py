@@ -13,17 +13,17 @@ import ray
 import torch
 from ray import serve
 
-from deployments.common import build_engine, ledger_actor, replica_name
+from deployments.common import build_engine, ledger_actor, replica_name, report_stats_forever
 from deployments.config import AppArgs
 from deployments.kv import Fetch, FetchReply, Lease
 from deployments.ledger import LEDGER_NAMESPACE
+from deployments.metrics import EngineMetrics, TransferMetrics
 from deployments.transport import PairChannel, open_pair
 from pegaserve.engine.engine import Role
 from pegaserve.engine.request import EngineRequest, Handoff, SampledToken, StepOutput
 from pegaserve.ledger import Fallback, KvReceived
 
 log = logging.getLogger("ray.serve")
-STATS_PERIOD_S = 1.0
 
 
 @serve.deployment(name="Decode")
@@ -36,12 +36,15 @@ class DecodeServer:
         self.pairs: dict[str, PairChannel] = {}  # prefill replica -> open channel
         self.generation: dict[str, int] = defaultdict(int)  # bumped when a channel fails
         self.peer_locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
-        self._stats_task = asyncio.create_task(self._report_stats())
+        self.transfers = TransferMetrics(self.args.model, "Decode")
+        metrics = EngineMetrics(self.args.model, "Decode", self.name)
+        self._stats_task = asyncio.create_task(report_stats_forever(self.engine, self.ledger, metrics, self.name, "decode"))
 
     async def generate(self, spec: EngineRequest, first_token: SampledToken, lease: Lease) -> AsyncIterator[StepOutput]:
         kv = await self._claim(lease)
         imported, outputs = await self.engine.continue_handoff(Handoff(spec, first_token, kv))
         if kv is not None and not imported:
+            self.transfers.fallback(self.args.transport)
             self.ledger.record.remote([Fallback(spec.request_id, "no free blocks to import", self.name)], self.name)
         async for output in outputs:
             yield output
@@ -57,11 +60,14 @@ class DecodeServer:
         else:
             reason = "lease expired or unknown" if kv is None else ""
         if kv is None:
+            self.transfers.fallback(self.args.transport)
             self.ledger.record.remote([Fallback(lease.request_id, reason, self.name)], self.name)
             return None
         seconds = time.perf_counter() - start
-        event = KvReceived(lease.request_id, self.args.transport, kv.numel() * kv.element_size(), seconds, self.name)
-        self.ledger.record.remote([event], self.name)
+        kv_bytes = kv.numel() * kv.element_size()
+        self.transfers.transferred(self.args.transport, kv_bytes, seconds)
+        self.ledger.record.remote([KvReceived(lease.request_id, self.args.transport, kv_bytes, seconds, self.name)],
+                                  self.name)
         return kv
 
     async def _fetch(self, lease: Lease) -> torch.Tensor | None:
@@ -88,12 +94,6 @@ class DecodeServer:
                 self.pairs.pop(peer, None)
                 self.generation[peer] += 1  # both sides move to a fresh group
                 raise
-
-    async def _report_stats(self) -> None:
-        while True:
-            stats = await self.engine.call(lambda e: e.stats())
-            self.ledger.report_stats.remote(self.name, {**stats.__dict__, "role": "decode"})
-            await asyncio.sleep(STATS_PERIOD_S)
 
     def __del__(self) -> None:
         self.engine.shutdown()

@@ -11,6 +11,7 @@ from ray import serve
 from deployments.common import app_name, ledger_actor
 from deployments.config import AppArgs
 from deployments.kv import Release
+from deployments.metrics import IngressMetrics
 from pegaserve.api.app import build_app
 from pegaserve.api.clients import EngineClient, LedgerClient
 from pegaserve.api.local import model_info, served_name
@@ -119,7 +120,8 @@ class Ingress:
         else:
             engine = DisaggregatedClient(prefill, decode, ledger)
         limits = Limits(**self.args.limits.model_dump())
-        self.server = Server(engine, tokenizer, info, ActorLedgerClient(ledger), limits)
+        observer = IngressMetrics(info.name)
+        self.server = Server(engine, tokenizer, info, ActorLedgerClient(ledger), limits, observer)
 
     def __serve_build_asgi_app__(self):
         return build_app(self.server)

@@ -11,17 +11,18 @@ from dataclasses import dataclass
 import ray
 from ray import serve
 
-from deployments.common import build_engine, ledger_actor, replica_name
+from deployments.common import build_engine, ledger_actor, replica_name, report_stats_forever
 from deployments.config import AppArgs
 from deployments.kv import Fetch, FetchReply, KvPort, Lease, Release, port_name
 from deployments.ledger import LEDGER_NAMESPACE
+from deployments.metrics import EngineMetrics
 from deployments.transport import PairChannel, open_pair
 from pegaserve.engine.engine import Role
 from pegaserve.engine.request import EngineRequest, StepOutput
 from pegaserve.ledger import KvSent, Prefilled
 
 log = logging.getLogger("ray.serve")
-STATS_PERIOD_S = 1.0
+LEASE_CHECK_PERIOD_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,13 @@ class PrefillServer:
         self.leases: dict[str, float] = {}  # request_id -> expiry (monotonic seconds)
         self.pairs: dict[str, PairChannel] = {}  # group name -> open channel
         self.peers: dict[str, asyncio.Queue] = {}  # decode replica -> its fetches, in order
-        self._tasks = [asyncio.create_task(self._drain_port()), asyncio.create_task(self._housekeeping())]
+        metrics = EngineMetrics(self.args.model, "Prefill", self.name)
+        self._tasks = [
+            asyncio.create_task(self._drain_port()),
+            asyncio.create_task(self._expire_leases()),
+            asyncio.create_task(report_stats_forever(
+                self.engine, self.ledger, metrics, self.name, "prefill", lambda: {"num_leases": len(self.leases)})),
+        ]
 
     async def prefill(self, spec: EngineRequest) -> PrefillResult:
         output = await self.engine.prefill(spec)
@@ -114,20 +121,13 @@ class PrefillServer:
         self.leases.pop(request_id, None)
         await self.engine.call(lambda e: e.release(request_id))
 
-    async def _housekeeping(self) -> None:
-        """Expire unclaimed leases; report engine stats to the ledger actor for /admin/stats."""
+    async def _expire_leases(self) -> None:
         while True:
             now = time.monotonic()
             for request_id in [r for r, expiry in self.leases.items() if expiry <= now]:
                 log.warning("KV lease of %s expired; decode will recompute", request_id)
                 await self._release(request_id)
-            stats = await self.engine.call(lambda e: e.stats())
-            self.ledger.report_stats.remote(self.name, {**stats.__dict__, "role": "prefill",
-                                                        "num_leases": len(self.leases)})
-            await asyncio.sleep(STATS_PERIOD_S)
-
-    async def stats(self) -> dict:
-        return (await self.engine.call(lambda e: e.stats())).__dict__
+            await asyncio.sleep(LEASE_CHECK_PERIOD_S)
 
     def __del__(self) -> None:
         self.engine.shutdown()

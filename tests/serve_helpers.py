@@ -15,13 +15,15 @@ from deployments.ingress import Ingress
 from deployments.prefill import PrefillServer
 
 HTTP_PORT = 8123  # not 8000: a developer's `make serve` may be running
+METRICS_PORT = 8124
 BASE = f"http://127.0.0.1:{HTTP_PORT}"
 SMALL = {"num_cpus": 0.1}
 
 
 def start_ray(**init_kwargs) -> None:
     if not ray.is_initialized():
-        ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, **init_kwargs)
+        ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, _metrics_export_port=METRICS_PORT,
+                 **init_kwargs)
     serve.start(http_options={"host": "127.0.0.1", "port": HTTP_PORT})
 
 

@@ -150,3 +150,30 @@ def test_two_prefill_two_decode_under_32_concurrent_mixed_requests(gloo_url):
     assert httpx.get(f"{gloo_url}/admin/ledger").json()["invariant_violations"] == 0
     stats = wait_for_idle_pools(gloo_url, replicas=4)
     assert sum(1 for name in stats if "/Prefill#" in name) == 2 and sum(1 for n in stats if "/Decode#" in n) == 2
+
+
+def test_metrics_reach_the_ray_prometheus_endpoint(gloo_url):
+    """After the traffic above, every pegaserve_* family is on the node's metrics endpoint."""
+    import time
+
+    from tests.serve_helpers import METRICS_PORT
+
+    wanted = {
+        "ray_pegaserve_ttft_seconds_bucket", "ray_pegaserve_inter_token_latency_seconds_bucket",
+        "ray_pegaserve_e2e_latency_seconds_bucket", "ray_pegaserve_prompt_tokens_total",
+        "ray_pegaserve_completion_tokens_total", "ray_pegaserve_requests_finished_total",
+        "ray_pegaserve_kv_transfer_bytes_total", "ray_pegaserve_kv_transfer_seconds_bucket",
+        "ray_pegaserve_queue_depth", "ray_pegaserve_running_requests", "ray_pegaserve_kv_blocks_used",
+        "ray_pegaserve_kv_blocks_total",
+    }
+    found: set[str] = set()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and found != wanted:
+        text = httpx.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10).text
+        found = {name for name in wanted if any(line.startswith(name + "{") for line in text.splitlines())}
+        time.sleep(2)
+    assert found == wanted
+    finished = [line for line in text.splitlines() if line.startswith("ray_pegaserve_requests_finished_total{")]
+    assert any('stop_cause="length"' in line and 'deployment="Ingress"' in line for line in finished)
+    assert any('transport="gloo"' in line for line in text.splitlines()
+               if line.startswith("ray_pegaserve_kv_transfer_bytes_total{"))

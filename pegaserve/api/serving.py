@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pegaserve.api.choice import ChoiceDelta, ChoiceStream
 from pegaserve.api.clients import EngineClient, LedgerClient
 from pegaserve.api.errors import ApiError
+from pegaserve.api.observer import RequestObserver
 from pegaserve.api.validation import ChoicePlan, Limits, ModelInfo
 from pegaserve.api.wire import ChoiceResult, Wire
 from pegaserve.engine.engine import RequestRejected
@@ -44,12 +45,13 @@ def new_request_id(prefix: str, client_id: str | None) -> str:
 
 class Server:
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, model: ModelInfo, ledger: LedgerClient,
-                 limits: Limits = Limits()) -> None:
+                 limits: Limits = Limits(), observer: RequestObserver | None = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model = model
         self.ledger = ledger
         self.limits = limits
+        self.observer = observer or RequestObserver()
 
     async def run_choice(self, request_id: str, plan: ChoicePlan) -> AsyncIterator[ChoiceDelta]:
         """The choice's deltas through its finishing one. Leaving early aborts the engine request."""
@@ -58,10 +60,17 @@ class Server:
                               plan.policy.min_tokens)
         await self.ledger.record([Arrived(request_id, len(plan.prompt_token_ids), plan.policy.max_tokens)], "ingress")
         outputs = self.engine.generate(spec)
+        start = last = time.perf_counter()
         try:
             async for output in outputs:
                 delta = choice.feed(output)
                 if delta is not None:
+                    now = time.perf_counter()
+                    if last == start:
+                        self.observer.first_token(now - start)
+                    else:
+                        self.observer.tokens(len(delta.tokens), now - last)
+                    last = now
                     yield delta
                 if choice.finish is not None:
                     break
@@ -78,6 +87,7 @@ class Server:
             events = [TokensCommitted(request_id, tuple(choice.token_ids)),
                       Finished(request_id, cause, len(plan.prompt_token_ids), choice.num_tokens)]
             await asyncio.shield(self.ledger.record(events, "ingress"))
+            self.observer.finished(cause, len(plan.prompt_token_ids), choice.num_tokens, time.perf_counter() - start)
 
     async def complete(self, job: Job) -> dict:
         """Non-streaming: run every choice to its end, then one body."""
