@@ -20,7 +20,7 @@ class ColocatedServer:
         self.args = AppArgs.model_validate(args)
         self.engine = build_engine(self.args, Role.BOTH)
         self.name = replica_name()
-        self.ledger = ledger_actor(self.args.ledger_max_records)
+        self.ledger = ledger_actor(self.args)
         metrics = EngineMetrics(self.args.model, "Colocated", self.name)
         self._stats_task = asyncio.create_task(report_stats_forever(self.engine, self.ledger, metrics, self.name, "both"))
 

@@ -27,6 +27,7 @@ def engine_config(args: AppArgs, role: Role) -> EngineConfig:
         max_num_seqs=e.max_num_seqs,
         max_num_batched_tokens=e.max_num_batched_tokens,
         max_model_len=e.max_model_len,
+        max_queued_requests=e.max_queued_requests,
     )
 
 
@@ -60,6 +61,6 @@ async def report_stats_forever(engine: AsyncEngine, ledger, metrics: EngineMetri
         await asyncio.sleep(period_s)
 
 
-def ledger_actor(max_records: int = 10_000):
+def ledger_actor(args: AppArgs):
     """The cluster's one ledger actor, created by whichever replica asks first."""
-    return get_or_create_ledger(max_records)
+    return get_or_create_ledger(args.ledger_max_records, args.ledger_journal)

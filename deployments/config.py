@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -9,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pegaserve.default_model import DEFAULT_MODEL_NAME, ensure_model_dir
 
 Transport = Literal["nccl", "gloo", "object_store"]
+API_KEYS_ENV = "PEGASERVE_API_KEYS"
 
 
 class EngineArgs(BaseModel):
@@ -18,6 +20,7 @@ class EngineArgs(BaseModel):
     num_blocks: int = Field(2048, ge=1, description="KV blocks per replica")
     max_num_seqs: int = Field(64, ge=1, description="requests decoded together")
     max_num_batched_tokens: int = Field(8192, ge=1, description="prompt tokens per prefill step")
+    max_queued_requests: int = Field(1024, ge=1, description="waiting requests per replica before 429")
     max_model_len: int | None = Field(None, ge=2, description="context length; default: the model's")
     attention_backend: Literal["auto", "sdpa", "triton"] = "auto"
     device: Literal["cpu", "cuda"] = "cpu"
@@ -30,6 +33,9 @@ class LimitsArgs(BaseModel):
     max_stop_string_chars: int = Field(256, ge=1)
     max_stop_token_ids: int = Field(262_144, ge=0, description="admits a whole-vocabulary stop set")
     max_logprobs: int = Field(20, ge=0)
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="admits a ~1 MB whole-vocabulary stop set")
+    max_prompt_tokens: int | None = Field(None, ge=1, description="None: only the context limits prompts")
+    max_tokens: int | None = Field(None, ge=1, description="cap on max_tokens; None: only the context")
 
 
 class AppArgs(BaseModel):
@@ -43,6 +49,16 @@ class AppArgs(BaseModel):
     transfer_timeout_s: float = Field(30.0, gt=0, description="a KV transfer that takes longer fails")
     lease_timeout_s: float = Field(60.0, ge=0, description="prefill frees unclaimed KV blocks after this")
     ledger_max_records: int = Field(10_000, ge=1)
+    ledger_journal: str | None = Field(
+        "/tmp/pegaserve/ledger.jsonl", description="append-only journal of finished records; None: memory only"
+    )
+    api_keys: list[str] = Field(
+        default_factory=list,
+        description="when non-empty, /v1 and /admin need `Authorization: Bearer <key>`; "
+        f"{API_KEYS_ENV} (comma-separated) adds keys without writing them into the YAML",
+    )
+    max_inflight_requests: int | None = Field(512, ge=1, description="per ingress replica, before 429")
+    fault_delay_kv_send_s: float = Field(0.0, ge=0, description="tests only: prefill waits this long before a send")
     engine: EngineArgs = EngineArgs()
     limits: LimitsArgs = LimitsArgs()
     script: dict[str, list[int]] | None = Field(
@@ -73,6 +89,10 @@ class AppArgs(BaseModel):
             if not torch.cuda.is_available():
                 raise ValueError("engine.device is cuda but this machine has no CUDA device")
         return self
+
+    def all_api_keys(self) -> tuple[str, ...]:
+        extra = [k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
+        return tuple(dict.fromkeys([*self.api_keys, *extra]))
 
     def parsed_script(self) -> dict[tuple[int, ...], list[int]] | None:
         if self.script is None:

@@ -32,7 +32,7 @@ class DecodeServer:
         self.args = AppArgs.model_validate(args)
         self.engine = build_engine(self.args, Role.DECODE)
         self.name = replica_name()
-        self.ledger = ledger_actor(self.args.ledger_max_records)
+        self.ledger = ledger_actor(self.args)
         self.pairs: dict[str, PairChannel] = {}  # prefill replica -> open channel
         self.generation: dict[str, int] = defaultdict(int)  # bumped when a channel fails
         self.peer_locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)

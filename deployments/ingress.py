@@ -7,6 +7,7 @@ import logging
 from collections.abc import AsyncIterator
 
 from ray import serve
+from ray.serve.exceptions import BackPressureError
 
 from deployments.common import app_name, ledger_actor
 from deployments.config import AppArgs
@@ -18,6 +19,7 @@ from pegaserve.api.local import model_info, served_name
 from pegaserve.api.serving import Server
 from pegaserve.api.validation import Limits
 from pegaserve.default_model import ensure_model_dir
+from pegaserve.engine.engine import EngineOverloaded
 from pegaserve.engine.model_config import ModelConfig
 from pegaserve.engine.request import EngineRequest, StepOutput
 from pegaserve.ledger import LedgerEvent
@@ -35,7 +37,10 @@ class DisaggregatedClient(EngineClient):
         self.ledger = ledger
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[StepOutput]:
-        result = await self.prefill.prefill.remote(request)
+        try:
+            result = await self.prefill.prefill.remote(request)
+        except BackPressureError as exc:
+            raise EngineOverloaded(f"prefill queue full: {exc}") from exc
         stream = None
         finished = result.lease is None
         try:
@@ -44,17 +49,27 @@ class DisaggregatedClient(EngineClient):
                 return
             first = result.output.tokens[0]
             stream = self.decode.options(stream=True).generate.remote(request, first, result.lease)
-            async for output in stream:
+            async for output in _map_backpressure(stream):
                 finished = output.finish is not None
                 yield output
         finally:
-            if stream is None and result.lease is not None:  # the ingress stopped at the first token
+            if result.lease is not None and not finished:
+                # The client left, a stop string fired, or decode failed: abort there, and free the
+                # prefill blocks now rather than at lease expiry (a no-op once decode claimed them).
+                if stream is not None:
+                    stream.cancel()
                 _port(result.lease).call.remote(Release(request.request_id))
-            elif stream is not None and not finished:
-                stream.cancel()  # the client left, or a stop string fired: abort on decode
 
     async def stats(self) -> dict:
         return await app_stats(self.ledger)
+
+
+async def _map_backpressure(stream) -> AsyncIterator[StepOutput]:
+    try:
+        async for output in stream:
+            yield output
+    except BackPressureError as exc:
+        raise EngineOverloaded(f"queue full: {exc}") from exc
 
 
 class ColocatedClient(EngineClient):
@@ -66,7 +81,7 @@ class ColocatedClient(EngineClient):
         stream = self.engine.options(stream=True).generate.remote(request)
         finished = False
         try:
-            async for output in stream:
+            async for output in _map_backpressure(stream):
                 finished = output.finish is not None
                 yield output
         finally:
@@ -114,7 +129,7 @@ class Ingress:
         tokenizer = Tokenizer(model_dir)
         config = ModelConfig.from_dir(model_dir)
         info = model_info(served_name(self.args.model), config, self.args.engine.max_model_len, tokenizer)
-        ledger = ledger_actor(self.args.ledger_max_records)
+        ledger = ledger_actor(self.args)
         if colocated is not None:
             engine: EngineClient = ColocatedClient(colocated, ledger)
         else:
@@ -124,4 +139,4 @@ class Ingress:
         self.server = Server(engine, tokenizer, info, ActorLedgerClient(ledger), limits, observer)
 
     def __serve_build_asgi_app__(self):
-        return build_app(self.server)
+        return build_app(self.server, self.args.all_api_keys(), self.args.max_inflight_requests)

@@ -13,10 +13,13 @@ LEDGER_NAME = "pegaserve-ledger"
 LEDGER_NAMESPACE = "pegaserve"
 
 
-@ray.remote(num_cpus=0, max_restarts=-1)
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
 class LedgerActor:
-    def __init__(self, max_records: int = 10_000) -> None:
-        self.ledger = Ledger(max_records)
+    """Restarted by Ray when it dies; calls made meanwhile are retried, and finished records come
+    back from the journal."""
+
+    def __init__(self, max_records: int = 10_000, journal: str | None = None) -> None:
+        self.ledger = Ledger(max_records, journal)
         self.replica_stats: dict[str, tuple[float, dict]] = {}
 
     def record(self, events: list[LedgerEvent], component: str) -> None:
@@ -36,8 +39,8 @@ class LedgerActor:
         return {name: s for name, (t, s) in self.replica_stats.items() if now - t <= max_age_s}
 
 
-def get_or_create_ledger(max_records: int):
+def get_or_create_ledger(max_records: int, journal: str | None):
     """The one ledger of this Ray cluster; detached so it outlives the app that made it."""
     return LedgerActor.options(
         name=LEDGER_NAME, namespace=LEDGER_NAMESPACE, get_if_exists=True, lifetime="detached"
-    ).remote(max_records)
+    ).remote(max_records, journal)

@@ -40,7 +40,7 @@ class PrefillServer:
         self.name = replica_name()
         self.port_name = port_name(self.name)
         self.port = KvPort.options(name=self.port_name, namespace=LEDGER_NAMESPACE).remote()
-        self.ledger = ledger_actor(self.args.ledger_max_records)
+        self.ledger = ledger_actor(self.args)
         self.leases: dict[str, float] = {}  # request_id -> expiry (monotonic seconds)
         self.pairs: dict[str, PairChannel] = {}  # group name -> open channel
         self.peers: dict[str, asyncio.Queue] = {}  # decode replica -> its fetches, in order
@@ -97,6 +97,8 @@ class PrefillServer:
             await self.port.reply.remote(key, FetchReply(False, "lease expired or unknown"))
             return
         start = time.perf_counter()
+        if self.args.fault_delay_kv_send_s:
+            await asyncio.sleep(self.args.fault_delay_kv_send_s)
         kv = await self.engine.call(lambda e: e.export_kv(fetch.request_id))
         kv_bytes = kv.numel() * kv.element_size()
         transport = self.args.transport

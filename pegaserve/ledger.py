@@ -7,9 +7,11 @@ decode. Memory is bounded: only the most recent `max_records` finished records a
 
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from pegaserve.stop import Eos, StopCause, Token, cause_kind, finish_reason, stop_reason, triggering_token
 
@@ -91,13 +93,45 @@ class _Record:
 
 
 class Ledger:
-    def __init__(self, max_records: int = 10_000) -> None:
+    """Records by request id. With a `journal` path, every finished record is appended to it as a
+    JSON line, and a new ledger reloads the most recent `max_records` of them: a restarted ledger
+    loses only what was still in flight."""
+
+    def __init__(self, max_records: int = 10_000, journal: str | Path | None = None) -> None:
         self.max_records = max_records
         self._records: OrderedDict[str, _Record] = OrderedDict()
+        self._restored: OrderedDict[str, dict] = OrderedDict()
         self._num_violations = 0
         self._status_counts: Counter[str] = Counter()
         self._cause_counts: Counter[str] = Counter()
         self._num_evicted = 0
+        self._journal = Path(journal) if journal else None
+        if self._journal is not None:
+            self._restore()
+
+    def _restore(self) -> None:
+        if not self._journal.exists():
+            self._journal.parent.mkdir(parents=True, exist_ok=True)
+            return
+        with self._journal.open() as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a torn last line from a crash mid-write
+                self._restored[record["request_id"]] = record
+                self._restored.move_to_end(record["request_id"])
+                if len(self._restored) > self.max_records:
+                    self._restored.popitem(last=False)
+        for record in self._restored.values():
+            self._status_counts[record["status"]] += 1
+            self._cause_counts[record["stop_cause"]["kind"]] += 1
+            self._num_violations += len(record["violations"])
+
+    def _append_to_journal(self, rec: _Record) -> None:
+        if self._journal is not None:
+            with self._journal.open("a") as f:
+                f.write(json.dumps(_to_json(rec)) + "\n")
 
     def record(self, events: list[LedgerEvent], component: str, t: float | None = None) -> None:
         t = time.time() if t is None else t
@@ -135,6 +169,7 @@ class Ledger:
         self._cause_counts[cause_kind(event.cause)] += 1
         for problem in check_invariants(rec):
             self._violate(rec, problem)
+        self._append_to_journal(rec)
 
     def _violate(self, rec: _Record, problem: str) -> None:
         rec.violations.append(problem)
@@ -150,12 +185,12 @@ class Ledger:
 
     def get(self, request_id: str) -> dict | None:
         rec = self._records.get(request_id)
-        return None if rec is None else _to_json(rec)
+        return _to_json(rec) if rec is not None else self._restored.get(request_id)
 
     def summary(self) -> dict:
         in_flight = sum(1 for r in self._records.values() if r.finished is None)
         return {
-            "num_records": len(self._records),
+            "num_records": len(self._records) + len(self._restored),
             "num_evicted": self._num_evicted,
             "by_status": {**self._status_counts, "in_flight": in_flight},
             "by_stop_cause": dict(self._cause_counts),

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import tempfile
 import time
+from pathlib import Path
 
 import httpx
 import ray
@@ -18,6 +20,7 @@ HTTP_PORT = 8123  # not 8000: a developer's `make serve` may be running
 METRICS_PORT = 8124
 BASE = f"http://127.0.0.1:{HTTP_PORT}"
 SMALL = {"num_cpus": 0.1}
+JOURNAL = str(Path(tempfile.mkdtemp(prefix="pegaserve-test-")) / "ledger.jsonl")
 
 
 def start_ray(**init_kwargs) -> None:
@@ -30,7 +33,7 @@ def start_ray(**init_kwargs) -> None:
 def deploy(name: str, args: dict, num_prefill: int = 1, num_decode: int = 1, actor_options: dict = SMALL,
            prefill_options: dict | None = None, decode_options: dict | None = None) -> str:
     """Deploy one pegaserve app at /<name>; returns its base URL."""
-    plain = AppArgs.model_validate(args).model_dump(mode="json")
+    plain = AppArgs.model_validate({"ledger_journal": JOURNAL, **args}).model_dump(mode="json")
     ingress = Ingress.options(ray_actor_options=actor_options)
     if plain["mode"] == "colocated":
         app = ingress.bind(plain, colocated=ColocatedServer.options(ray_actor_options=actor_options).bind(plain))

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from pegaserve.api import validation as v
 from pegaserve.api.errors import ApiError
+from pegaserve.api.guards import Guards
 from pegaserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from pegaserve.api.serving import Job, Server, new_request_id, now_s
 from pegaserve.api.wire import Wire
@@ -20,10 +21,14 @@ from pegaserve.api.wire import Wire
 log = logging.getLogger(__name__)
 
 
-def build_app(server: Server) -> FastAPI:
+def build_app(server: Server, api_keys: tuple[str, ...] = (), max_inflight: int | None = None) -> FastAPI:
+    """The OpenAI app. With `api_keys`, every /v1 and /admin route needs `Authorization: Bearer`;
+    past `max_inflight` concurrent generations the API answers 429 with Retry-After."""
     app = FastAPI(title="pegaserve", version="0.1.0")
     app.state.server = server
     _install_error_handlers(app)
+    app.add_middleware(Guards, api_keys=tuple(api_keys), max_body_bytes=server.limits.max_body_bytes,
+                       max_inflight=max_inflight)
 
     @app.get("/health")
     async def health() -> dict:
@@ -85,7 +90,7 @@ def _chat_job(server: Server, body: ChatCompletionRequest, request: Request) -> 
         text = server.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
     except Exception as exc:  # a template that rejects the conversation is the client's problem
         raise v.invalid("messages", f"the chat template rejected the messages: {exc}") from exc
-    ids = v.check_prompt_ids(server.tokenizer.encode(text), server.model, "messages")
+    ids = v.check_prompt_ids(server.tokenizer.encode(text), server.model, "messages", server.limits)
     max_tokens, param = body.max_completion_tokens, "max_completion_tokens"
     if max_tokens is None:
         max_tokens, param = body.max_tokens, "max_tokens"
@@ -108,7 +113,7 @@ def _split_prompts(prompt) -> list[str | list[int]]:
 
 def _completion_prompt_ids(server: Server, prompt: str | list[int]) -> tuple[int, ...]:
     ids = server.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-    return v.check_prompt_ids(ids, server.model, "prompt")
+    return v.check_prompt_ids(ids, server.model, "prompt", server.limits)
 
 
 def _message_text(content) -> str:
@@ -134,11 +139,15 @@ async def _respond(server: Server, job: Job):
     headers = {"X-Request-Id": job.request_id}
     if not job.stream:
         return JSONResponse(await server.complete(job), headers=headers)
-    return StreamingResponse(_sse(server.stream(job)), media_type="text/event-stream", headers=headers)
+    chunks = server.stream(job)
+    first = await anext(chunks, None)  # admission errors (400, 429) still get their HTTP status
+    return StreamingResponse(_sse(first, chunks), media_type="text/event-stream", headers=headers)
 
 
-async def _sse(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+async def _sse(first: dict | None, chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
     try:
+        if first is not None:
+            yield f"data: {json.dumps(first)}\n\n"
         async for chunk in chunks:
             yield f"data: {json.dumps(chunk)}\n\n"
     except ApiError as exc:
@@ -152,7 +161,7 @@ async def _sse(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return exc.response()
+        return exc.response({"retry-after": "1"} if exc.status in (429, 503) else None)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -16,7 +16,7 @@ from pegaserve.api.errors import ApiError
 from pegaserve.api.observer import RequestObserver
 from pegaserve.api.validation import ChoicePlan, Limits, ModelInfo
 from pegaserve.api.wire import ChoiceResult, Wire
-from pegaserve.engine.engine import RequestRejected
+from pegaserve.engine.engine import EngineOverloaded, RequestRejected
 from pegaserve.engine.request import EngineRequest
 from pegaserve.ledger import Arrived, Finished, TokensCommitted
 from pegaserve.stop import Abort, Error
@@ -77,6 +77,9 @@ class Server:
         except RequestRejected as exc:
             choice.finish = Error(str(exc))
             raise ApiError(str(exc), param="prompt") from exc
+        except EngineOverloaded as exc:
+            choice.finish = Error(str(exc))
+            raise ApiError(f"the server is at capacity; retry later ({exc})", status=429) from exc
         except Exception as exc:
             if not isinstance(exc, GeneratorExit | asyncio.CancelledError):
                 choice.finish = Error(str(exc))
@@ -106,16 +109,17 @@ class Server:
     async def stream(self, job: Job) -> AsyncIterator[dict]:
         """Streaming: chunks as they come, one finishing chunk per choice, then usage."""
         results = [ChoiceResult(i, plan.prompt_token_ids) for i, plan in enumerate(job.plans)]
-        if job.wire.chat:
-            for i in range(len(job.plans)):
-                yield job.wire.role_chunk(i)
+        started: set[int] = set()
         async for i, delta in _merge([self.run_choice(job.engine_request_id(i), p) for i, p in enumerate(job.plans)]):
             results[i].add(delta)
             if isinstance(delta.finish, Error):
                 yield ApiError(f"the server failed the request: {delta.finish.message}", status=500).body()
                 return
-            first = job.wire.return_token_ids and len(results[i].tokens) == len(delta.tokens)
-            yield job.wire.chunk(i, delta, results[i].prompt_token_ids if first else None)
+            first = i not in started
+            started.add(i)
+            if first and job.wire.chat:
+                yield job.wire.role_chunk(i)  # after admission, so refusals are still HTTP statuses
+            yield job.wire.chunk(i, delta, results[i].prompt_token_ids if first and job.wire.return_token_ids else None)
         if job.include_usage:
             yield job.wire.usage_chunk(results)
 

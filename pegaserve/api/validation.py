@@ -22,6 +22,9 @@ class Limits:
     max_stop_string_chars: int = 256
     max_stop_token_ids: int = 262_144
     max_logprobs: int = MAX_LOGPROBS
+    max_body_bytes: int = 4 * 1024 * 1024  # a whole-vocabulary stop_token_ids list is about 1 MB
+    max_prompt_tokens: int | None = None  # None: only the context length limits the prompt
+    max_tokens: int | None = None  # a cap on max_tokens; None: only the context limits it
 
 
 @dataclass(frozen=True)
@@ -64,9 +67,11 @@ def check_unsupported(body: SamplingFields) -> None:
         raise invalid("stream_options", "stream_options is only allowed when stream is true")
 
 
-def check_prompt_ids(ids: list[int], model: ModelInfo, param: str) -> tuple[int, ...]:
+def check_prompt_ids(ids: list[int], model: ModelInfo, param: str, limits: Limits) -> tuple[int, ...]:
     if not ids:
         raise invalid(param, "the prompt is empty")
+    if limits.max_prompt_tokens is not None and len(ids) > limits.max_prompt_tokens:
+        raise invalid(param, f"the prompt has {len(ids)} tokens; this server accepts at most {limits.max_prompt_tokens}")
     bad = next((i for i in ids if not 0 <= i < model.vocab_size), None)
     if bad is not None:
         raise invalid(param, f"token id {bad} is outside the vocabulary [0, {model.vocab_size})")
@@ -86,9 +91,11 @@ def plan_choice(
 ) -> ChoicePlan:
     room = model.max_model_len - len(prompt_ids)
     if max_tokens is None:
-        max_tokens = room
+        max_tokens = room if limits.max_tokens is None else min(room, limits.max_tokens)
     if max_tokens < 1:
         raise invalid(max_tokens_param, f"must be at least 1, got {max_tokens}")
+    if limits.max_tokens is not None and max_tokens > limits.max_tokens:
+        raise invalid(max_tokens_param, f"this server generates at most {limits.max_tokens} tokens, got {max_tokens}")
     if max_tokens > room:
         raise invalid(
             max_tokens_param,

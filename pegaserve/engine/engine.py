@@ -34,10 +34,15 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_queued_requests: int = 1024  # waiting requests past this are refused (EngineOverloaded)
 
 
 class RequestRejected(ValueError):
     """The request can never run on this engine (it names the limit it breaks)."""
+
+
+class EngineOverloaded(RuntimeError):
+    """The engine's waiting queue is full: the request may succeed later (HTTP 429)."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +93,8 @@ class Engine:
         return False
 
     def _admit(self, spec: EngineRequest) -> Request:
+        if len(self.scheduler.waiting) >= self.config.max_queued_requests:
+            raise EngineOverloaded(f"{len(self.scheduler.waiting)} requests already wait for this engine")
         if spec.request_id in self.requests or spec.request_id in self.parked:
             raise RequestRejected(f"request id {spec.request_id!r} is already in this engine")
         num_tokens = len(spec.prompt_token_ids) + spec.policy.max_tokens

@@ -1,0 +1,63 @@
+"""The ledger's invariants, its bounded memory and its journal (no Ray)."""
+
+from pegaserve.ledger import Arrived, Finished, Ledger, Prefilled, TokensCommitted
+from pegaserve.stop import Eos, Length, String, Token
+
+
+def finish(ledger: Ledger, rid: str, tokens: tuple[int, ...], cause, completion: int | None = None) -> dict:
+    ledger.record([Arrived(rid, 3, 16), Prefilled(rid, tokens[0], -0.5, "prefill#1")], "ingress")
+    ledger.record([TokensCommitted(rid, tokens),
+                   Finished(rid, cause, 3, len(tokens) if completion is None else completion)], "ingress")
+    return ledger.get(rid)
+
+
+def test_a_consistent_record_has_no_violations():
+    ledger = Ledger()
+    record = finish(ledger, "a", (5, 6, 17), Token(17))
+    assert record["violations"] == [] and record["status"] == "finished"
+    assert record["stop_cause"] == {"kind": "token", "token_id": 17, "text": None}
+    assert record["finish_reason"] == "stop" and record["stop_reason"] == 17
+    assert record["first_token"] == {"id": 5, "logprob": -0.5} and record["handoff"] is None
+    assert [e["name"] for e in record["events"]] == ["arrived", "prefilled", "tokens_committed", "finished"]
+    assert ledger.summary()["invariant_violations"] == 0
+
+
+def test_usage_that_disagrees_with_the_committed_tokens_is_a_violation():
+    ledger = Ledger()
+    assert finish(ledger, "a", (5, 6), Length(), completion=3)["violations"]
+    assert ledger.summary()["invariant_violations"] == 1
+
+
+def test_a_trigger_that_is_not_the_last_token_is_a_violation():
+    ledger = Ledger()
+    assert finish(ledger, "a", (151645, 6), Eos(151645))["violations"]
+
+
+def test_a_second_terminal_event_is_a_violation():
+    ledger = Ledger()
+    finish(ledger, "a", (5,), String("x"))
+    ledger.record([Finished("a", Length(), 3, 1)], "ingress")
+    assert "more than one terminal event" in ledger.get("a")["violations"]
+
+
+def test_memory_is_bounded():
+    ledger = Ledger(max_records=10)
+    for i in range(50):
+        finish(ledger, f"r{i}", (5,), Length())
+    summary = ledger.summary()
+    assert summary["num_records"] == 10 and summary["num_evicted"] == 40
+    assert ledger.get("r0") is None and ledger.get("r49") is not None
+    assert summary["by_status"]["finished"] == 50
+
+
+def test_a_new_ledger_reloads_finished_records_from_the_journal(tmp_path):
+    journal = tmp_path / "ledger.jsonl"
+    ledger = Ledger(journal=journal)
+    finish(ledger, "done", (5, 17), Token(17))
+    ledger.record([Arrived("in-flight", 3, 16)], "ingress")
+    restarted = Ledger(journal=journal)
+    assert restarted.get("done") == ledger.get("done")
+    assert restarted.get("in-flight") is None  # only finished records are journaled
+    assert restarted.summary()["by_stop_cause"] == {"token": 1}
+    finish(restarted, "later", (5,), Length())  # and it keeps journaling
+    assert Ledger(journal=journal).get("later")["completion_tokens"] == 1
