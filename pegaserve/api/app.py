@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pegaserve.api import validation as v
 from pegaserve.api.errors import ApiError
@@ -162,6 +163,11 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
         return exc.response({"retry-after": "1"} if exc.status in (429, 503) else None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        param = "body" if exc.status_code == 400 else None  # FastAPI's only 400: an unparsable body
+        return ApiError(str(exc.detail), param=param, status=exc.status_code).response(exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
