@@ -1,0 +1,151 @@
+"""Faults on the running Serve app: a decode replica killed mid-stream, a prefill replica killed
+during the handoff, a client that disconnects, the ledger actor killed."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import ray
+from ray import serve
+
+from deployments.ledger import LEDGER_NAME, LEDGER_NAMESPACE
+from tests.engine_helpers import PROMPTS
+from tests.serve_helpers import deploy, start_ray, wait_for_idle_pools, wait_healthy
+
+pytestmark = pytest.mark.ray
+LONG = {"prompt": PROMPTS[1], "max_tokens": 3000, "ignore_eos": True, "temperature": 0, "stream": True}
+
+
+@pytest.fixture(scope="module")
+def url():
+    start_ray()
+    yield deploy("faults", {"transport": "gloo", "engine": {"num_blocks": 512}})
+    serve.delete("faults")
+
+
+def replica_actor(app: str, deployment: str):
+    """The one live replica of `deployment` (Serve names replica actors SERVE_REPLICA::app#name#id)."""
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].startswith(f"SERVE_REPLICA::{app}#{deployment}#")]
+    for name in names:
+        try:
+            actor = ray.get_actor(name, namespace="serve")
+        except ValueError:
+            continue  # a replica that is already gone
+        return actor
+    raise AssertionError(f"no live {app}/{deployment} replica among {names}")
+
+
+def stream_lines(url: str, body: dict, on_chunk=None, max_chunks: int | None = None) -> list[str]:
+    lines = []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+        for line in response.iter_lines():
+            if not line:
+                continue
+            lines.append(line)
+            if on_chunk is not None:
+                on_chunk(len(lines))
+            if max_chunks is not None and len(lines) >= max_chunks:
+                break  # leaving the `with` closes the connection mid-stream
+    return lines
+
+
+def request_id_of(lines: list[str]) -> str:
+    return json.loads(lines[0][6:])["id"]
+
+
+def quick_request_succeeds(url: str) -> None:
+    body = {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        try:
+            response = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+            if response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise AssertionError("the app did not recover")
+
+
+def test_client_disconnect_aborts_everywhere_and_frees_blocks(url):
+    lines = stream_lines(url, LONG, max_chunks=5)
+    record = {}
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and record.get("status") != "abort":
+        record = httpx.get(f"{url}/admin/ledger/{request_id_of(lines)}").json()
+        time.sleep(0.5)
+    assert record["status"] == "abort" and record["violations"] == []
+    wait_for_idle_pools(url, replicas=2)
+
+
+def test_decode_killed_mid_stream_ends_with_an_error_event(url):
+    killed = threading.Event()
+
+    def kill_decode(num_chunks: int) -> None:
+        if num_chunks == 5 and not killed.is_set():
+            ray.kill(replica_actor("faults", "Decode"), no_restart=True)
+            killed.set()
+
+    lines = stream_lines(url, LONG, on_chunk=kill_decode)
+    assert killed.is_set()
+    assert lines[-1] == "data: [DONE]"
+    error = json.loads(lines[-2][6:])
+    assert error["error"]["type"] == "internal_server_error"
+    assert not any(json.loads(line[6:]).get("choices", [{}])[0].get("finish_reason") for line in lines[:-2])
+    record = httpx.get(f"{url}/admin/ledger/{request_id_of(lines)}").json()
+    assert record["status"] == "error" and record["violations"] == []
+    quick_request_succeeds(url)  # Serve replaced the replica
+    wait_healthy(url)
+
+
+def test_prefill_killed_during_handoff_decode_recomputes(ray_url_with_slow_send):
+    url = ray_url_with_slow_send
+    body = {"prompt": PROMPTS[3], "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    reference = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["token_ids"]
+    result = {}
+
+    def request() -> None:
+        result["response"] = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+
+    thread = threading.Thread(target=request)
+    thread.start()
+    time.sleep(1.0)  # prefill has answered; its send is held back by fault_delay_kv_send_s
+    ray.kill(replica_actor("slowsend", "Prefill"), no_restart=True)
+    thread.join(timeout=120)
+    response = result["response"]
+    assert response["choices"][0]["token_ids"] == reference
+    record = httpx.get(f"{url}/admin/ledger/{response['id']}").json()
+    assert record["handoff"]["fallback"].startswith("transfer failed") and record["violations"] == []
+    quick_request_succeeds(url)
+
+
+@pytest.fixture
+def ray_url_with_slow_send(url):
+    slow = deploy("slowsend", {"transport": "gloo", "fault_delay_kv_send_s": 4.0, "engine": {"num_blocks": 256}})
+    yield slow
+    serve.delete("slowsend")
+
+
+def test_ledger_killed_restarts_from_its_journal_and_requests_complete(url):
+    done = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 3}, timeout=60).json()
+    killed = threading.Event()
+
+    def kill_ledger(num_chunks: int) -> None:
+        if num_chunks == 3 and not killed.is_set():
+            ray.kill(ray.get_actor(LEDGER_NAME, namespace=LEDGER_NAMESPACE), no_restart=False)
+            killed.set()
+
+    lines = stream_lines(url, {**LONG, "max_tokens": 200}, on_chunk=kill_ledger)
+    assert killed.is_set()
+    finishing = json.loads(lines[-2][6:])["choices"][0]
+    assert finishing["finish_reason"] == "length"
+    before = httpx.get(f"{url}/admin/ledger/{done['id']}", timeout=60).json()
+    assert before["status"] == "finished" and before["completion_tokens"] == 3
+    during = httpx.get(f"{url}/admin/ledger/{request_id_of(lines)}", timeout=60).json()
+    assert during["status"] == "finished" and during["completion_tokens"] == 200
+    assert httpx.get(f"{url}/admin/ledger", timeout=60).json()["invariant_violations"] == 0
