@@ -7,7 +7,11 @@ raises `ValueError` naming the bad argument, and a pure-torch `*_reference` that
 - `decode_attention`: one query per request over its paged context (GQA, split-K).
 - `prefill_attention`: causal varlen attention over the paged context (continues a cached prefix).
 - `block_copy`: gather a request's blocks into one packed buffer, scatter one into other blocks.
-- `backend`: `TritonBackend`, the engine's `triton` attention backend.
+- `norm_rope`: fused residual add + RMSNorm, and Qwen3's per-head q/k RMSNorm + RoPE.
+- `backend`: `TritonBackend`, the engine's `triton` attention backend (store + decode/prefill).
+
+Support: `testing` (interpreter set-up, random paged batches), `bench` (microbenchmarks for
+scripts/gpu_check.py), `compile_check` (compile every kernel for sm_90 without a GPU).
 
 This package imports nothing at import time: triton decides between compiling and interpreting
 (`TRITON_INTERPRET=1`) when a kernel module is first imported, so callers set that up first.

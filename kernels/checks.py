@@ -41,7 +41,7 @@ def check_tensor(
 ) -> None:
     """`shape` entries of None accept any size; the last dim must have stride 1 unless told."""
     if not isinstance(tensor, torch.Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dim() != len(shape):
         raise ValueError(f"{name}: expected {len(shape)} dims {_shape_str(shape)}, got shape {tuple(tensor.shape)}")
     for want, got in zip(shape, tensor.shape):

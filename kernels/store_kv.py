@@ -55,14 +55,14 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, slot_mapp
     Caller's invariants (not checked: they live on the device): every slot is in
     `[0, num_blocks * block_size)` and no slot repeats within one call.
     """
-    check_tensor("kv_layer", kv_layer, shape=(2, None, None, None, None), dtypes=ATTENTION_DTYPES, device=kv_layer.device)
+    check_tensor(
+        "kv_layer", kv_layer, shape=(2, None, None, None, None), dtypes=ATTENTION_DTYPES, device=kv_layer.device
+    )
     _, _, block_size, num_kv_heads, head_dim = kv_layer.shape
-    num_tokens = k.shape[0] if k.dim() == 3 else -1
-    for name, t in (("k", k), ("v", v)):
-        check_tensor(name, t, shape=(None, num_kv_heads, head_dim), dtypes=ATTENTION_DTYPES, device=kv_layer.device)
-        check_same_dtype(name, t, kv_layer.dtype, "kv_layer")
-    if v.shape[0] != num_tokens:
-        raise ValueError(f"v: {v.shape[0]} tokens, but k has {num_tokens}")
+    check_tensor("k", k, shape=(None, num_kv_heads, head_dim), dtypes=ATTENTION_DTYPES, device=kv_layer.device)
+    check_same_dtype("k", k, kv_layer.dtype, "kv_layer")
+    num_tokens = k.shape[0]
+    check_tensor("v", v, shape=(num_tokens, num_kv_heads, head_dim), dtypes=(k.dtype,), device=kv_layer.device)
     check_tensor("slot_mapping", slot_mapping, shape=(num_tokens,), dtypes=INDEX_DTYPES, device=kv_layer.device)
     if num_tokens == 0:
         return

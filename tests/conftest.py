@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-import pytest
+from pegaserve_kernels.testing import use_interpreter_without_cuda
 
-from pegaserve.default_model import build_default_model
+# Before anything imports triton: without CUDA, Triton kernels run in its interpreter.
+use_interpreter_without_cuda()
+
+import pytest  # noqa: E402
+
+from pegaserve.default_model import build_default_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
