@@ -13,7 +13,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pegaserve.stop import Eos, StopCause, Token, cause_kind, finish_reason, stop_reason, triggering_token
+from pegaserve.stop import Eos, StopCause, String, Token, cause_kind, finish_reason, stop_reason, triggering_token
 
 
 @dataclass(frozen=True)
@@ -227,22 +227,25 @@ def _event_name(event: LedgerEvent) -> str:
     }[type(event)]
 
 
+def _handoff(rec: _Record) -> dict | None:
+    """None when no KV was ever meant to move (the first token was terminal, or colocated)."""
+    sent, received, fallback = rec.kv_sent, rec.kv_received, rec.fallback
+    if sent is None and received is None and fallback is None:
+        return None
+    moved = received or sent
+    return {
+        "transport": moved.transport if moved else None,
+        "kv_bytes": moved.kv_bytes if moved else 0,
+        "seconds": moved.seconds if moved else None,  # decode's view: claim to KV in hand
+        "prefill_replica": sent.prefill_replica if sent else None,
+        "decode_replica": (received or fallback or sent).decode_replica,
+        "fallback": fallback.reason if fallback else None,
+    }
+
+
 def _to_json(rec: _Record) -> dict:
     fin = rec.finished
     cause = fin.cause if fin else None
-    handoff = None
-    if rec.kv_sent or rec.fallback or rec.kv_received:
-        sent, received = rec.kv_sent, rec.kv_received
-        handoff = {
-            "transport": (sent or received).transport if (sent or received) else None,
-            "kv_bytes": (sent or received).kv_bytes if (sent or received) else 0,
-            "seconds": received.seconds if received else (sent.seconds if sent else None),
-            "prefill_replica": sent.prefill_replica if sent else None,
-            "decode_replica": (received.decode_replica if received else None)
-            or (rec.fallback.decode_replica if rec.fallback else None)
-            or (sent.decode_replica if sent else None),
-            "fallback": rec.fallback.reason if rec.fallback else None,
-        }
     return {
         "request_id": rec.request_id,
         "status": _status(cause) if cause else "in_flight",
@@ -253,10 +256,10 @@ def _to_json(rec: _Record) -> dict:
         "stop_cause": None if cause is None else {
             "kind": cause_kind(cause),
             "token_id": triggering_token(cause),
-            "text": cause.text if hasattr(cause, "text") else None,
+            "text": cause.text if isinstance(cause, String) else None,
         },
         "first_token": None if rec.first_token is None else {"id": rec.first_token[0], "logprob": rec.first_token[1]},
-        "handoff": handoff,
+        "handoff": _handoff(rec),
         "events": [{"name": n, "t": t, "component": c} for n, t, c in rec.events],
         "violations": list(rec.violations),
     }

@@ -128,6 +128,8 @@ class AsyncEngine:
         try:
             while not finished:
                 output = await outputs.get()
+                while output.finish is None and not outputs.empty():
+                    output = output.then(outputs.get_nowait())  # coalesce what piled up meanwhile
                 finished = output.finish is not None
                 yield output
         finally:

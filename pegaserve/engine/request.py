@@ -58,6 +58,11 @@ class StepOutput:
     finish: StopCause | None = None
     finish_pending: bool = False
 
+    def then(self, later: "StepOutput") -> "StepOutput":
+        """This message and a later one of the same request as one (a consumer that fell behind)."""
+        assert self.request_id == later.request_id and self.finish is None and not self.finish_pending
+        return StepOutput(self.request_id, self.tokens + later.tokens, later.finish, later.finish_pending)
+
 
 @dataclass(frozen=True)
 class Handoff:

@@ -26,8 +26,9 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> list[SampledToken]:
         input_ids, positions, attn = self._prepare(batch)
         hidden = self.model(input_ids, positions, self.kv_cache, attn)  # [num_tokens, hidden]
-        last = torch.tensor(attn.query_lens, device=self.device).cumsum(0) - 1
-        logits = self.model.compute_logits(hidden[last])  # [num_reqs, vocab]
+        if not attn.is_decode:  # only each request's last token is sampled
+            hidden = hidden[torch.tensor(attn.query_lens, device=self.device).cumsum(0) - 1]
+        logits = self.model.compute_logits(hidden)  # [num_reqs, vocab]
         return sample(logits.cpu(), [_sampling_row(r) for r in batch.requests])
 
     def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
@@ -36,12 +37,14 @@ class ModelRunner:
         slots: list[int] = []
         query_lens: list[int] = []
         context_lens: list[int] = []
+        block_size = self.block_size
         for request in batch.requests:
             start = request.num_computed_tokens if batch.is_prefill else request.num_tokens - 1
             end = request.num_tokens
-            token_ids += request.all_token_ids()[start:end]
+            token_ids += _token_ids(request, start, end)
             positions += range(start, end)
-            slots += (request.block_ids[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, end))
+            block_ids = request.block_ids
+            slots += (block_ids[p // block_size] * block_size + p % block_size for p in range(start, end))
             query_lens.append(end - start)
             context_lens.append(end)
         max_blocks = max(len(r.block_ids) for r in batch.requests)
@@ -65,6 +68,15 @@ class ModelRunner:
         if tuple(packed.shape) != expected:
             raise ValueError(f"KV shape {tuple(packed.shape)} does not fit this cache: expected {expected}")
         self.kv_cache[:, :, torch.tensor(block_ids, device=self.device)] = packed.to(self.kv_cache)
+
+
+def _token_ids(request: Request, start: int, end: int) -> list[int]:
+    """`request.all_token_ids()[start:end]` without copying the whole sequence (a decode step
+    needs only the last token)."""
+    prompt = request.spec.prompt_token_ids
+    if start >= len(prompt):
+        return [t.token_id for t in request.output[start - len(prompt) : end - len(prompt)]]
+    return request.all_token_ids()[start:end]
 
 
 def _sampling_row(request: Request) -> SamplingRow:

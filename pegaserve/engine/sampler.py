@@ -4,6 +4,10 @@ Logprobs are the log-softmax of the model's raw logits (before masking, temperat
 vLLM reports them by default. A seeded request draws from a generator seeded by (seed, position),
 so its tokens do not depend on what else is in the batch, on preemption, or on which replica —
 prefill or decode — samples it.
+
+The whole-vocabulary passes run once per step over all rows (a vocabulary is ~150k wide, so they
+dominate a small model's step): one max, one exp-sum for the log-normalizer, one argmax. A full
+log-softmax is never materialized; top-N logprobs are the top-N logits minus the normalizer.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 from pegaserve.engine.request import SampledToken, SamplingParams
 
 _SEED_STRIDE = 1_000_003  # decorrelates (seed, position) pairs
+_ARGMAX_CHUNK = 1024
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,33 @@ def apply_mask(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     for i, token_ids in masked:
         logits[i, torch.tensor(sorted(token_ids), dtype=torch.long)] = float("-inf")
     return logits
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """`torch.argmax(logits, -1)` for `[rows, vocab]` (the first index of each row's max), faster on
+    the CPU, where argmax is a scalar loop but amax is vectorized: amax finds each row's best chunk,
+    argmax runs only inside it."""
+    num_rows, vocab = logits.shape
+    if vocab < 4 * _ARGMAX_CHUNK:
+        return logits.argmax(-1)
+    num_full = vocab // _ARGMAX_CHUNK
+    head = logits[:, : num_full * _ARGMAX_CHUNK].reshape(num_rows, num_full, _ARGMAX_CHUNK)
+    maxima = head.amax(-1)  # [rows, num_full]
+    if vocab % _ARGMAX_CHUNK:
+        maxima = torch.cat([maxima, logits[:, num_full * _ARGMAX_CHUNK :].amax(-1, keepdim=True)], dim=1)
+    best_chunk = maxima.argmax(-1, keepdim=True)  # [rows, 1]: the first chunk holding the max
+    # The last chunk may be short: clamping repeats its last column after the real ones, and
+    # argmax keeps the first occurrence, so the repeats never win over an earlier equal value.
+    columns = (best_chunk * _ARGMAX_CHUNK + torch.arange(_ARGMAX_CHUNK)).clamp_(max=vocab - 1)  # [rows, chunk]
+    within = logits.gather(1, columns).argmax(-1, keepdim=True)
+    return columns.gather(1, within)[:, 0]
+
+
+def log_normalizers(logits: torch.Tensor) -> torch.Tensor:
+    """`logsumexp` of each row (`[rows]`): a token's logprob is its logit minus this."""
+    max_logits = logits.amax(-1, keepdim=True)
+    max_logits = max_logits.masked_fill(max_logits.isinf(), 0.0)  # as torch.logsumexp: no inf - inf
+    return torch.sub(logits, max_logits).exp_().sum(-1).log_().add_(max_logits[:, 0])
 
 
 def top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -64,25 +96,22 @@ def _generator(params: SamplingParams, position: int) -> torch.Generator | None:
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
     """One token per row of `logits` ([num_rows, vocab], float32)."""
-    logprobs = torch.log_softmax(logits, dim=-1)
     masked = apply_mask(logits, rows)
-    greedy_ids = torch.argmax(masked, dim=-1).tolist()
-    token_ids: list[int] = []
+    token_ids = argmax_rows(masked).tolist()  # the greedy rows' tokens; the others are drawn below
     for i, row in enumerate(rows):
-        if row.params.greedy:
-            token_ids.append(greedy_ids[i])
-            continue
-        filtered = top_k_top_p(masked[i] / row.params.temperature, row.params.top_k, row.params.top_p)
-        token_ids.append(_draw(filtered.softmax(-1), _generator(row.params, row.num_output_tokens)))
-    chosen = logprobs.gather(1, torch.tensor(token_ids)[:, None])[:, 0].tolist()
+        if not row.params.greedy:
+            filtered = top_k_top_p(masked[i] / row.params.temperature, row.params.top_k, row.params.top_p)
+            token_ids[i] = _draw(filtered.softmax(-1), _generator(row.params, row.num_output_tokens))
+    normalizers = log_normalizers(logits)  # [num_rows]
+    chosen = (logits.gather(1, torch.tensor(token_ids)[:, None])[:, 0] - normalizers).tolist()
     return [
-        SampledToken(token_id, chosen[i], _top_logprobs(logprobs[i], rows[i].params.num_top_logprobs))
+        SampledToken(token_id, chosen[i], _top_logprobs(logits[i], normalizers[i], rows[i].params.num_top_logprobs))
         for i, token_id in enumerate(token_ids)
     ]
 
 
-def _top_logprobs(logprobs: torch.Tensor, n: int) -> tuple[tuple[int, float], ...]:
+def _top_logprobs(logits: torch.Tensor, normalizer: torch.Tensor, n: int) -> tuple[tuple[int, float], ...]:
     if n <= 0:
         return ()
-    values, ids = torch.topk(logprobs, n)
-    return tuple(zip(ids.tolist(), values.tolist()))
+    values, ids = torch.topk(logits, n)
+    return tuple(zip(ids.tolist(), (values - normalizer).tolist()))
