@@ -35,3 +35,24 @@ bench-engine: model
 
 clean:
 	rm -rf $(VENV) models .pytest_cache
+
+# One shot on a GPU box (under 8 minutes): CUDA kernel tests, kernel and engine benchmarks -> docs/bench/GPU.md.
+gpu-check: model
+	$(PY) scripts/gpu_check.py
+
+# Locust against a running `make serve` (127.0.0.1 / localhost only): every answer is checked against
+# CONTRACT.md and any violation fails the run (exit 1). Reports in loadtests/reports/loadtest*.
+# No install step: it runs beside `make serve`, which has installed the venv.
+LOADTEST_HOST ?= http://127.0.0.1:8000
+LOADTEST_USERS ?= 16
+LOADTEST_SECONDS ?= 60
+loadtest:
+	mkdir -p loadtests/reports
+	$(VENV)/bin/locust -f loadtests/locustfile.py --headless --host $(LOADTEST_HOST) \
+		-u $(LOADTEST_USERS) -r $(LOADTEST_USERS) -t $(LOADTEST_SECONDS)s --stop-timeout 30 \
+		--csv loadtests/reports/loadtest --html loadtests/reports/loadtest.html --only-summary --exit-code-on-error 1
+
+# 10 minutes at concurrency 32 of mixed traffic against a fresh `serve run configs/cluster.yaml`.
+SOAK_MINUTES ?= 10
+soak: model
+	VENV=$(VENV) scripts/with_serve.sh $(PY) -m loadtests.soak --concurrency 32 --minutes $(SOAK_MINUTES)

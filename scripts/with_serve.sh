@@ -13,8 +13,9 @@ fi
 "$VENV/bin/serve" run "$CONFIG" >"$LOG" 2>&1 &
 serve_pid=$!
 cleanup() {
-  # Ctrl-C is how `serve run` tears down the app and the local Ray instance it started.
-  kill -INT "$serve_pid" 2>/dev/null
+  # SIGTERM makes `serve run` tear down the app and the Ray instance it started (a background job
+  # of a non-interactive shell ignores SIGINT).
+  kill -TERM "$serve_pid" 2>/dev/null
   for _ in $(seq 1 60); do kill -0 "$serve_pid" 2>/dev/null || return; sleep 1; done
   kill -KILL "$serve_pid" 2>/dev/null
 }

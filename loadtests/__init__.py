@@ -1,0 +1,1 @@
+"""Locust load tests that check every answer against CONTRACT.md (`make loadtest`)."""
