@@ -9,14 +9,12 @@ import time
 from collections import defaultdict
 from collections.abc import AsyncIterator
 
-import ray
 import torch
 from ray import serve
 
 from deployments.common import build_engine, ledger_actor, replica_name, report_stats_forever
 from deployments.config import AppArgs
-from deployments.kv import Fetch, FetchReply, Lease
-from deployments.ledger import LEDGER_NAMESPACE
+from deployments.kv import Fetch, FetchReply, Lease, PortDirectory
 from deployments.metrics import EngineMetrics, TransferMetrics
 from deployments.transport import PairChannel, open_pair
 from pegaserve.engine.engine import Role
@@ -36,6 +34,7 @@ class DecodeServer:
         self.pairs: dict[str, PairChannel] = {}  # prefill replica -> open channel
         self.generation: dict[str, int] = defaultdict(int)  # bumped when a channel fails
         self.peer_locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self.ports = PortDirectory()
         self.transfers = TransferMetrics(self.args.model, "Decode")
         metrics = EngineMetrics(self.args.model, "Decode", self.name)
         self._stats_task = asyncio.create_task(report_stats_forever(self.engine, self.ledger, metrics, self.name, "decode"))
@@ -71,7 +70,7 @@ class DecodeServer:
         return kv
 
     async def _fetch(self, lease: Lease) -> torch.Tensor | None:
-        port = ray.get_actor(lease.port_name, namespace=LEDGER_NAMESPACE)
+        port = await self.ports.get(lease.port_name)
         peer = lease.prefill_replica
         async with self.peer_locks[peer]:  # one transfer per pair at a time: both sides agree on order
             group = f"{peer}-{self.name}-{self.generation[peer]}"

@@ -3,15 +3,17 @@ one colocated engine) through Serve handles, and to the ledger actor."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 
 from ray import serve
+from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 
 from deployments.common import app_name, ledger_actor
 from deployments.config import AppArgs
-from deployments.kv import Release
+from deployments.kv import PortDirectory, Release
 from deployments.metrics import IngressMetrics
 from pegaserve.api.app import build_app
 from pegaserve.api.clients import EngineClient, LedgerClient
@@ -35,12 +37,35 @@ class DisaggregatedClient(EngineClient):
         self.prefill = prefill
         self.decode = decode
         self.ledger = ledger
+        self.ports = PortDirectory()
+        self._tasks: set[asyncio.Task] = set()
+
+    def _background(self, coroutine) -> None:
+        task = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _prefill(self, request: EngineRequest):
+        """Prefill, retried once on another replica if the first one died (nothing was shown yet)."""
+        for attempt in (1, 2):
+            try:
+                return await self.prefill.prefill.remote(request)
+            except BackPressureError as exc:
+                raise EngineOverloaded(f"prefill queue full: {exc}") from exc
+            except RayActorError:
+                if attempt == 2:
+                    raise
+                log.warning("prefill replica died under %s; retrying once", request.request_id)
+
+    async def _release(self, lease) -> None:
+        try:
+            port = await self.ports.get(lease.port_name)
+            port.call.remote(Release(lease.request_id))
+        except Exception:  # the prefill replica is gone, and its blocks with it
+            log.warning("could not release the KV lease of %s", lease.request_id)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[StepOutput]:
-        try:
-            result = await self.prefill.prefill.remote(request)
-        except BackPressureError as exc:
-            raise EngineOverloaded(f"prefill queue full: {exc}") from exc
+        result = await self._prefill(request)
         stream = None
         finished = result.lease is None
         try:
@@ -58,7 +83,7 @@ class DisaggregatedClient(EngineClient):
                 # prefill blocks now rather than at lease expiry (a no-op once decode claimed them).
                 if stream is not None:
                     stream.cancel()
-                _port(result.lease).call.remote(Release(request.request_id))
+                self._background(self._release(result.lease))  # must not wait on a cancelled task
 
     async def stats(self) -> dict:
         return await app_stats(self.ledger)
@@ -110,14 +135,6 @@ class ActorLedgerClient(LedgerClient):
 
     async def summary(self) -> dict:
         return await self.actor.summary.remote()
-
-
-def _port(lease):
-    import ray  # noqa: PLC0415
-
-    from deployments.ledger import LEDGER_NAMESPACE  # noqa: PLC0415
-
-    return ray.get_actor(lease.port_name, namespace=LEDGER_NAMESPACE)
 
 
 @serve.deployment(name="Ingress")

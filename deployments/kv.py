@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import ray
+
+
+PORT_NAMESPACE = "pegaserve"
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,23 @@ class FetchReply:
 
 def port_name(prefill_replica: str) -> str:
     return f"pegaserve-kv-port-{prefill_replica}"
+
+
+class PortDirectory:
+    """Handles of prefill replicas' ports, looked up once each (a lookup is a blocking GCS call)."""
+
+    def __init__(self, max_entries: int = 1024) -> None:
+        self._handles: OrderedDict[str, ray.actor.ActorHandle] = OrderedDict()
+        self._max_entries = max_entries
+
+    async def get(self, name: str):
+        handle = self._handles.get(name)
+        if handle is None:
+            handle = await asyncio.to_thread(ray.get_actor, name, namespace=PORT_NAMESPACE)
+            self._handles[name] = handle
+            if len(self._handles) > self._max_entries:
+                self._handles.popitem(last=False)  # replicas come and go; old names never return
+        return handle
 
 
 @ray.remote(num_cpus=0)

@@ -13,8 +13,7 @@ from ray import serve
 
 from deployments.common import build_engine, ledger_actor, replica_name, report_stats_forever
 from deployments.config import AppArgs
-from deployments.kv import Fetch, FetchReply, KvPort, Lease, Release, port_name
-from deployments.ledger import LEDGER_NAMESPACE
+from deployments.kv import PORT_NAMESPACE, Fetch, FetchReply, KvPort, Lease, Release, port_name
 from deployments.metrics import EngineMetrics
 from deployments.transport import PairChannel, open_pair
 from pegaserve.engine.engine import Role
@@ -39,7 +38,7 @@ class PrefillServer:
         self.engine = build_engine(self.args, Role.PREFILL)
         self.name = replica_name()
         self.port_name = port_name(self.name)
-        self.port = KvPort.options(name=self.port_name, namespace=LEDGER_NAMESPACE).remote()
+        self.port = KvPort.options(name=self.port_name, namespace=PORT_NAMESPACE).remote()
         self.ledger = ledger_actor(self.args)
         self.leases: dict[str, float] = {}  # request_id -> expiry (monotonic seconds)
         self.pairs: dict[str, PairChannel] = {}  # group name -> open channel
@@ -68,7 +67,12 @@ class PrefillServer:
 
     async def _drain_port(self) -> None:
         while True:
-            key, message = await self.port.next.remote()
+            try:
+                key, message = await self.port.next.remote()
+            except Exception:  # the port is fate-shared with this replica; this is only a hiccup
+                log.exception("reading the KV port failed")
+                await asyncio.sleep(0.1)
+                continue
             if isinstance(message, Release):
                 await self._release(message.request_id)
                 await self.port.reply.remote(key, None)
