@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import torch
 from ray import serve
 
 from deployments.config import AppArgs
@@ -32,6 +33,8 @@ def engine_config(args: AppArgs, role: Role) -> EngineConfig:
 
 
 def build_engine(args: AppArgs, role: Role) -> AsyncEngine:
+    if args.engine.torch_threads is not None:
+        torch.set_num_threads(args.engine.torch_threads)
     model_dir = ensure_model_dir(args.model)
     config = engine_config(args, role)
     script = args.parsed_script()

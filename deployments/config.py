@@ -24,6 +24,9 @@ class EngineArgs(BaseModel):
     max_model_len: int | None = Field(None, ge=2, description="context length; default: the model's")
     attention_backend: Literal["auto", "sdpa", "triton"] = "auto"
     device: Literal["cpu", "cuda"] = "cpu"
+    torch_threads: int | None = Field(
+        None, ge=1, description="intra-op threads per replica; None: Ray's default (its num_cpus, at least 1)"
+    )
 
 
 class LimitsArgs(BaseModel):
