@@ -14,7 +14,7 @@ from ray import serve
 
 from deployments.common import build_engine, ledger_actor, replica_name, report_stats_forever
 from deployments.config import AppArgs
-from deployments.kv import Fetch, FetchReply, Lease, PortDirectory
+from deployments.kv import Fetch, FetchReply, Lease, PortDirectory, kv_from_bytes
 from deployments.metrics import EngineMetrics, TransferMetrics
 from deployments.transport import PairChannel, open_pair
 from pegaserve.engine.engine import Role
@@ -79,7 +79,7 @@ class DecodeServer:
                 if not reply.ok:
                     return None
                 if reply.kv_ref is not None:
-                    return await reply.kv_ref[0]
+                    return kv_from_bytes(await reply.kv_ref[0], lease).to(self.args.engine.device)
                 buffer = torch.empty(lease.kv_shape, dtype=getattr(torch, lease.kv_dtype),
                                      device=self.args.engine.device)
                 pair = self.pairs.get(peer)

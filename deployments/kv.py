@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import ray
+import torch
 
 
 PORT_NAMESPACE = "pegaserve"
@@ -55,6 +58,19 @@ class FetchReply:
 
 def port_name(prefill_replica: str) -> str:
     return f"pegaserve-kv-port-{prefill_replica}"
+
+
+def kv_as_bytes(kv: torch.Tensor) -> np.ndarray:
+    """The object store's form of packed KV: raw bytes in a numpy array, which Ray stores without
+    pickling and maps zero-copy on get (a pickled torch tensor costs ~4x more; bf16 has no numpy dtype)."""
+    return kv.detach().contiguous().cpu().view(torch.uint8).numpy()
+
+
+def kv_from_bytes(data: np.ndarray, lease: Lease) -> torch.Tensor:
+    with warnings.catch_warnings():  # the mapped array is read-only; the engine only copies from it
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.from_numpy(data)
+    return raw.view(getattr(torch, lease.kv_dtype)).reshape(lease.kv_shape)
 
 
 class PortDirectory:

@@ -13,7 +13,7 @@ from ray import serve
 
 from deployments.common import build_engine, ledger_actor, replica_name, report_stats_forever
 from deployments.config import AppArgs
-from deployments.kv import PORT_NAMESPACE, Fetch, FetchReply, KvPort, Lease, Release, port_name
+from deployments.kv import PORT_NAMESPACE, kv_as_bytes, Fetch, FetchReply, KvPort, Lease, Release, port_name
 from deployments.metrics import EngineMetrics
 from deployments.transport import PairChannel, open_pair
 from pegaserve.engine.engine import Role
@@ -107,7 +107,7 @@ class PrefillServer:
         kv_bytes = kv.numel() * kv.element_size()
         transport = self.args.transport
         if transport == "object_store":
-            ref = ray.put(kv)
+            ref = ray.put(kv_as_bytes(kv))
             await self._release(fetch.request_id)
             await self.port.reply.remote(key, FetchReply(True, kv_bytes=kv_bytes, kv_ref=[ref]))
         else:
