@@ -56,3 +56,16 @@ loadtest:
 SOAK_MINUTES ?= 10
 soak: model
 	VENV=$(VENV) scripts/with_serve.sh $(PY) -m loadtests.soak --concurrency 32 --minutes $(SOAK_MINUTES)
+
+# Throughput/latency of P/D and colocated over HTTP against transformers generate (about 3-5 minutes;
+# starts and stops its own Ray + Serve on 127.0.0.1) -> docs/bench/RESULTS.md + PNG plots.
+# `make bench BENCH_ARGS=--url=http://127.0.0.1:8000` measures a running `make serve` instead.
+BENCH_ARGS ?=
+bench: model
+	$(PY) -m loadtests.bench $(BENCH_ARGS)
+
+# KV handoff per CPU transport against raw gloo / object-store bandwidth, TTFT of P/D vs colocated
+# (about 1.5 minutes) -> docs/bench/KV.md.
+.PHONY: bench-kv
+bench-kv: model
+	$(PY) -m loadtests.bench_kv

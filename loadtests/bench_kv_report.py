@@ -1,0 +1,98 @@
+"""KV.md from `bench_kv`'s results (kv.json's structure); hand-written notes between
+`<!-- notes -->` and `<!-- /notes -->` survive a rewrite."""
+
+from __future__ import annotations
+
+import datetime
+import statistics
+from pathlib import Path
+
+from loadtests.bench_report import NOTES_PLACEHOLDER, NOTES_RE, machine
+
+
+def _median(values) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def _ms(seconds: float | None) -> str:
+    return "—" if seconds is None else f"{seconds * 1000:.1f}"
+
+
+def _handoff_table(result: dict, transport: str) -> list[str]:
+    raw = {f["num_bytes"]: f for f in result["raw"].get(transport, []) if f.get("payload", "torch") == "torch"}
+    numpy = {f["num_bytes"]: f for f in result["raw"].get(transport, []) if f.get("payload") == "numpy"}
+    extra = " raw put + get ms | raw as numpy ms |" if numpy else ""
+    lines = ["| prompt tokens | KV MiB | handoff ms (median, min-max) | handoff GB/s | raw ms | raw GB/s "
+             f"| handoff / raw time | fallbacks |{extra}", "|---:" * (8 + 2 * bool(numpy)) + "|"]  # fmt: skip
+    for length, samples in result["apps"][f"pd-{transport}"].items():
+        kv_bytes = _median([s["kv_bytes"] for s in samples])
+        seconds = [s["handoff_s"] for s in samples if s["handoff_s"] is not None]
+        fallbacks = sum(1 for s in samples if s["fallback"])
+        figure = raw.get(int(kv_bytes)) if kv_bytes else None
+        if not seconds or not figure:
+            lines.append(f"| {length} | — | — | — | — | — | — | {fallbacks} |" + " — | — |" * bool(numpy))
+            continue
+        handoff = statistics.median(seconds)
+        row = (f"| {length} | {kv_bytes / 2**20:.2f} | {_ms(handoff)} ({_ms(min(seconds))}-{_ms(max(seconds))}) "
+               f"| {kv_bytes / handoff / 1e9:.3f} | {_ms(figure['median_s'])} | {figure['gb_per_s']:.2f} "
+               f"| {handoff / figure['median_s']:.1f}x | {fallbacks} |")  # fmt: skip
+        if numpy:
+            as_numpy = numpy.get(int(kv_bytes))
+            numpy_s = as_numpy["median_s"] if as_numpy else None
+            row += f" {_ms(figure['median_put_s'])} + {_ms(figure['median_get_s'])} | {_ms(numpy_s)} |"
+        lines.append(row)
+    return lines
+
+
+def _ttft_table(result: dict) -> list[str]:
+    apps = result["apps"]
+    names = [n for n in apps if n.startswith("pd-")] + (["colocated"] if "colocated" in apps else [])
+    lines = ["| prompt tokens | app | TTFT ms | 2nd token ms | TTFT / colocated | 2nd token / colocated |",
+             "|---:|---|---:|---:|---:|---:|"]
+    for length in apps[names[0]]:
+        ttft = {n: _median([s["ttft_s"] for s in apps[n][length]]) for n in names}
+        second = {n: _median([s["second_token_s"] for s in apps[n][length]]) for n in names}
+        base_ttft, base_second = ttft.get("colocated"), second.get("colocated")
+        for n in names:
+            vs_ttft = f"{ttft[n] / base_ttft:.2f}x" if base_ttft else "—"
+            vs_second = f"{second[n] / base_second:.2f}x" if base_second and second[n] else "—"
+            lines.append(f"| {length} | {n} | {_ms(ttft[n])} | {_ms(second[n])} | {vs_ttft} | {vs_second} |")
+    return lines
+
+
+def write_kv_report(result: dict, path: Path) -> None:
+    m = machine()
+    settings = result["settings"]
+    notes = NOTES_PLACEHOLDER
+    if path.exists():
+        found = NOTES_RE.search(path.read_text())
+        notes = found.group(0) if found else notes
+    lines = [
+        "# KV handoff figures", "",
+        f"Written by `make bench-kv` (`loadtests/bench_kv.py`) on {datetime.date.today().isoformat()}; total run "
+        f"{settings['total_s']:.0f} s. Raw figures: `kv.json`. Throughput and latency under load: "
+        "[RESULTS.md](RESULTS.md).", "",
+        f"**Machine**: `nproc` = {m['nproc']}, {m['cpu_model']}, {m['ram_gib']:.1f} GiB RAM, torch {m['torch']} (CPU), "
+        "shared with other work.", "",
+        "## Setup", "",
+        f"- One prefill + one decode replica (configs/cluster.yaml's options: 0.5 CPU each, one torch thread) on an "
+        f"in-process Ray cluster, 127.0.0.1. Model `{settings['model']}`: KV is fp32, 4 layers x 2 x 2 KV heads x "
+        "64 dims = 4 KiB per token, moved as whole 16-token blocks.",
+        f"- Per prompt length, one untimed warm-up, then {settings['repeats']} requests one at a time (deterministic "
+        f"random token ids, streaming, {settings['max_tokens']} new tokens, greedy, `ignore_eos`), read with httpx "
+        "(raw SSE: the least client overhead between us and the timestamps).",
+        "- **handoff** = the ledger's `handoff.seconds`: decode's view, from claiming the lease to the KV in hand — "
+        "the KV port round trip, prefill packing the blocks (between two engine steps), and the transfer itself. "
+        "**raw** = the same bytes between two plain Ray actors with nothing else (`loadtests/bench_transport.py`): "
+        "gloo is one `ProcessGroupGloo` send/recv (the `GlooPair` the app uses), timed on the receiver; object "
+        "store is `ray.put` of the torch tensor in one actor + `ray.get` in the other (and, for comparison, the same "
+        "bytes as a numpy array, which Ray stores without pickling and maps zero-copy on get). Median of 10 after "
+        "2 warm-ups.",
+        "- TTFT: P/D sends the first token from prefill before any KV moves, so the handoff shows in the time to "
+        "the **second** token; both are given, medians, client side.", "",
+    ]  # fmt: skip
+    for transport in result["raw"]:
+        lines += [f"## Handoff over {transport}", "", *_handoff_table(result, transport), ""]
+    lines += ["## TTFT: P/D against colocated", "", *_ttft_table(result), "", "## Notes", "", notes, ""]
+    path.write_text("\n".join(lines))

@@ -1,0 +1,128 @@
+"""Raw send/recv bandwidth of each CPU KV transport between two plain Ray actors.
+
+The yardstick for the handoff figures in `bench_kv`: the same number of bytes, moved the way the
+transport moves them, without Serve, leases, the KV port or the engine around it.
+- gloo: `deployments.transport.GlooPair` (torch.distributed ProcessGroupGloo over TCP, 127.0.0.1),
+  one tensor send on rank 0, the matching recv on rank 1, timed on the receiver.
+- object_store: `ray.put` in one actor, `ray.get` in the other; put and get are timed each and
+  reported as their sum (the handoff does both on its critical path). Measured for a torch tensor
+  (what the app ships) and, for comparison, for the same bytes as a numpy array (which Ray stores
+  without pickling and `ray.get` maps zero-copy).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import uuid
+from dataclasses import dataclass
+
+import ray
+import torch
+
+ACTOR_OPTIONS = {"num_cpus": 0.1}
+TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class RawFigure:
+    transport: str
+    num_bytes: int
+    median_s: float
+    runs_s: tuple[float, ...]
+    payload: str = "torch"  # object_store only: "torch" (as the app) or "numpy"
+    median_put_s: float | None = None
+    median_get_s: float | None = None
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.num_bytes / self.median_s / 1e9
+
+
+@ray.remote
+class GlooEnd:
+    def open(self, group: str, rank: int) -> None:
+        from deployments.transport import GlooPair  # noqa: PLC0415
+
+        self.pair = GlooPair(group, rank, TIMEOUT_S)
+
+    def send(self, num_bytes: int, repeats: int) -> None:
+        tensor = torch.ones(num_bytes // 4, dtype=torch.float32)
+        for _ in range(repeats):
+            self.pair.send(tensor)
+
+    def recv(self, num_bytes: int, repeats: int) -> list[float]:
+        tensor = torch.empty(num_bytes // 4, dtype=torch.float32)
+        runs = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            self.pair.recv(tensor)
+            runs.append(time.perf_counter() - start)
+        return runs
+
+
+@ray.remote
+class StoreEnd:
+    def put(self, num_bytes: int, payload: str) -> tuple[list, float]:
+        tensor = torch.ones(num_bytes // 4, dtype=torch.float32)
+        if payload == "numpy":
+            tensor = tensor.numpy()
+        start = time.perf_counter()
+        ref = ray.put(tensor)
+        return [ref], time.perf_counter() - start  # wrapped, so Ray hands over the ref unresolved
+
+    def get(self, refs: list) -> float:
+        start = time.perf_counter()
+        value = ray.get(refs[0])
+        seconds = time.perf_counter() - start
+        assert len(value) > 0
+        return seconds
+
+
+def gloo_bandwidth(sizes: list[int], repeats: int, warmup: int = 2) -> list[RawFigure]:
+    sender, receiver = GlooEnd.options(**ACTOR_OPTIONS).remote(), GlooEnd.options(**ACTOR_OPTIONS).remote()
+    group = f"bench-raw-{uuid.uuid4().hex[:8]}"
+    ray.get([sender.open.remote(group, 0), receiver.open.remote(group, 1)], timeout=TIMEOUT_S)
+    figures = []
+    try:
+        for num_bytes in sizes:
+            total = warmup + repeats
+            sent = sender.send.remote(num_bytes, total)
+            runs = ray.get(receiver.recv.remote(num_bytes, total), timeout=TIMEOUT_S)[warmup:]
+            ray.get(sent, timeout=TIMEOUT_S)
+            figures.append(RawFigure("gloo", num_bytes, statistics.median(runs), tuple(runs)))
+    finally:
+        ray.kill(sender)
+        ray.kill(receiver)
+    return figures
+
+
+def object_store_bandwidth(sizes: list[int], repeats: int, warmup: int = 2) -> list[RawFigure]:
+    producer, consumer = StoreEnd.options(**ACTOR_OPTIONS).remote(), StoreEnd.options(**ACTOR_OPTIONS).remote()
+    figures = []
+    try:
+        for payload in ("torch", "numpy"):
+            for num_bytes in sizes:
+                puts, gets = [], []
+                for i in range(warmup + repeats):
+                    refs, put_s = ray.get(producer.put.remote(num_bytes, payload), timeout=TIMEOUT_S)
+                    get_s = ray.get(consumer.get.remote(refs), timeout=TIMEOUT_S)
+                    del refs
+                    if i >= warmup:
+                        puts.append(put_s)
+                        gets.append(get_s)
+                runs = tuple(p + g for p, g in zip(puts, gets))
+                figures.append(RawFigure("object_store", num_bytes, statistics.median(runs), runs, payload,
+                                         statistics.median(puts), statistics.median(gets)))
+    finally:
+        ray.kill(producer)
+        ray.kill(consumer)
+    return figures
+
+
+def raw_bandwidth(transport: str, sizes: list[int], repeats: int = 10) -> list[RawFigure]:
+    if transport == "gloo":
+        return gloo_bandwidth(sizes, repeats)
+    if transport == "object_store":
+        return object_store_bandwidth(sizes, repeats)
+    raise ValueError(f"no raw measurement for transport {transport!r}")
