@@ -10,6 +10,7 @@ from ray import serve
 from deployments.common import build_engine, ledger_actor, replica_name, report_stats_forever
 from deployments.metrics import EngineMetrics
 from deployments.config import AppArgs
+from pegaserve.engine.async_engine import in_chunks
 from pegaserve.engine.engine import Role
 from pegaserve.engine.request import EngineRequest, StepOutput
 
@@ -25,7 +26,7 @@ class ColocatedServer:
         self._stats_task = asyncio.create_task(report_stats_forever(self.engine, self.ledger, metrics, self.name, "both"))
 
     async def generate(self, spec: EngineRequest) -> AsyncIterator[StepOutput]:
-        async for output in self.engine.generate(spec):
+        async for output in in_chunks(self.engine.generate(spec), self.args.stream_interval):
             yield output
 
     def __del__(self) -> None:

@@ -51,6 +51,10 @@ class AppArgs(BaseModel):
     transport: Transport = Field("gloo", description="how KV moves from prefill to decode")
     transfer_timeout_s: float = Field(30.0, gt=0, description="a KV transfer that takes longer fails")
     lease_timeout_s: float = Field(60.0, ge=0, description="prefill frees unclaimed KV blocks after this")
+    stream_interval: int = Field(
+        1, ge=1, description="tokens per message from decode to the ingress and per SSE chunk (the first "
+        "token and the finish are never held); more trades streaming granularity for throughput"
+    )
     ledger_max_records: int = Field(10_000, ge=1)
     ledger_journal: str | None = Field(
         "/tmp/pegaserve/ledger.jsonl", description="append-only journal of finished records; None: memory only"

@@ -17,6 +17,7 @@ from deployments.config import AppArgs
 from deployments.kv import Fetch, FetchReply, Lease, PortDirectory, kv_from_bytes
 from deployments.metrics import EngineMetrics, TransferMetrics
 from deployments.transport import PairChannel, open_pair
+from pegaserve.engine.async_engine import in_chunks
 from pegaserve.engine.engine import Role
 from pegaserve.engine.request import EngineRequest, Handoff, SampledToken, StepOutput
 from pegaserve.ledger import Fallback, KvReceived
@@ -45,7 +46,7 @@ class DecodeServer:
         if kv is not None and not imported:
             self.transfers.fallback(self.args.transport)
             self.ledger.record.remote([Fallback(spec.request_id, "no free blocks to import", self.name)], self.name)
-        async for output in outputs:
+        async for output in in_chunks(outputs, self.args.stream_interval):
             yield output
 
     async def _claim(self, lease: Lease) -> torch.Tensor | None:

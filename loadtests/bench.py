@@ -116,7 +116,7 @@ def bench_http(key: str, url: str, prompts: list[list[int]], levels: tuple[int, 
 
 
 def bench_local_serve(keys: list[str], prompts, levels, slo: Slo, budget_s: float, gate: QuietGate,
-                      engine_threads: int | None) -> list[SystemResult]:
+                      engine_threads: int | None, stream_interval: int = 1) -> list[SystemResult]:
     from loadtests.bench_serve import LocalServe  # noqa: PLC0415
 
     results = []
@@ -124,7 +124,7 @@ def bench_local_serve(keys: list[str], prompts, levels, slo: Slo, budget_s: floa
         for key in keys:
             start = time.perf_counter()
             args = {"model": MODEL, "mode": "colocated" if key == "colocated" else "pd", "transport": "gloo",
-                    "ledger_journal": None}
+                    "ledger_journal": None, "stream_interval": stream_interval}
             url = local.deploy(key, args)
             setup_s = time.perf_counter() - start
             print(f"{SYSTEM_NAMES[key]}: deployed at {url} in {setup_s:.0f}s", flush=True)
@@ -220,6 +220,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--level-budget-s", type=float, default=LEVEL_BUDGET_S)
     parser.add_argument("--engine-threads", type=int, default=None,
                         help="torch threads per engine replica (default: Ray's 1 for 0.5 CPU, as `make serve`)")
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="the apps' stream_interval: tokens per decode->ingress message and per SSE chunk")
     parser.add_argument("--out", type=Path, default=OUT_DIR, help="where results.json, RESULTS.md and plots go")
     args = parser.parse_args(argv)
 
@@ -250,7 +252,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         served = [k for k in keys if k in ("pd", "colocated")]
         if served:
-            results += bench_local_serve(served, prompts, levels, slo, args.level_budget_s, gate, args.engine_threads)
+            results += bench_local_serve(served, prompts, levels, slo, args.level_budget_s, gate, args.engine_threads,
+                                         args.stream_interval)
 
     total_s = time.perf_counter() - started
     args.out.mkdir(parents=True, exist_ok=True)
@@ -258,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
         "settings": {"levels": levels, "max_tokens": MAX_TOKENS, "num_requests": {c: num_requests(c) for c in levels},
                      "level_budget_s": args.level_budget_s, "model": MODEL, "url": args.url,
                      "slo": dataclasses.asdict(slo), "total_s": total_s, "argv": sys.argv[1:],
-                     "engine_threads": args.engine_threads},
+                     "engine_threads": args.engine_threads, "stream_interval": args.stream_interval},
         "engine_alone": engine_alone,
         "systems": [dataclasses.asdict(r) for r in results],
     }  # fmt: skip

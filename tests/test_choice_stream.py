@@ -76,3 +76,20 @@ def test_rule_18_a_pending_token_that_turns_out_ordinary_is_shown_once(tokenizer
     assert first is None
     delta = choice.feed(StepOutput("r", tokens(WORLD), Length()))
     assert delta.text == "Hello world" and choice.token_ids == [HELLO, WORLD]
+
+
+def test_in_chunks_recuts_outputs_and_never_holds_the_finish():
+    import asyncio
+
+    from pegaserve.engine.async_engine import in_chunks
+
+    async def outputs():
+        for i in range(5):
+            yield StepOutput("r", tokens(100 + i))
+        yield StepOutput("r", tokens(200), Length())
+
+    async def collect(n):
+        return [[t.token_id for t in o.tokens] for o in [o async for o in in_chunks(outputs(), n)]]
+
+    assert asyncio.run(collect(1)) == [[100], [101], [102], [103], [104], [200]]
+    assert asyncio.run(collect(4)) == [[100, 101, 102, 103], [104, 200]]

@@ -145,3 +145,16 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join(timeout=5)
 
+
+
+async def in_chunks(outputs: AsyncIterator[StepOutput], num_tokens: int) -> AsyncIterator[StepOutput]:
+    """Re-cut a request's outputs into messages of at least `num_tokens` tokens (the last may be
+    shorter): vLLM's stream interval, trading streaming granularity for fewer messages per token."""
+    pending: StepOutput | None = None
+    async for output in outputs:
+        pending = output if pending is None else pending.then(output)
+        if pending.finish is not None or len(pending.tokens) >= num_tokens:
+            yield pending
+            pending = None
+    if pending is not None:
+        yield pending
