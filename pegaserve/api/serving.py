@@ -80,17 +80,16 @@ class Server:
         except EngineOverloaded as exc:
             choice.finish = Error(str(exc))
             raise ApiError(f"the server is at capacity; retry later ({exc})", status=429) from exc
-        except Exception as exc:
-            if not isinstance(exc, GeneratorExit | asyncio.CancelledError):
-                choice.finish = Error(str(exc))
+        except Exception as exc:  # a replica died, a transfer broke: the request fails, the server does not
+            choice.finish = Error(str(exc))
             raise
         finally:
             await outputs.aclose()  # rule 11: a string stop aborts the engine request at once
-            cause = choice.finish or Abort()
+            cause = choice.finish or Abort()  # no finish: the client went away
+            self.observer.finished(cause, len(plan.prompt_token_ids), choice.num_tokens, time.perf_counter() - start)
             events = [TokensCommitted(request_id, tuple(choice.token_ids)),
                       Finished(request_id, cause, len(plan.prompt_token_ids), choice.num_tokens)]
             await asyncio.shield(self.ledger.record(events, "ingress"))
-            self.observer.finished(cause, len(plan.prompt_token_ids), choice.num_tokens, time.perf_counter() - start)
 
     async def complete(self, job: Job) -> dict:
         """Non-streaming: run every choice to its end, then one body."""
