@@ -2,9 +2,10 @@
 
 The same 32 prompts (16-128 tokens, deterministic) x 64 new tokens, greedy, EOS ignored, fp32,
 in one process. pegaserve gets all 32 requests at once and steps until done, with at most
-`max_num_seqs` sequences running (16, then 32); transformers runs batches of 16, left-padded.
-Both are warmed up before timing. Throughput counts output tokens only, over the whole run
-(prefill included). A benchmark, not a test: it asserts nothing about speed.
+`max_num_seqs` sequences running (16, then 32); transformers runs batches of 16, left-padded, with
+EOS switched off (and, for reference, with min_new_tokens instead). Everything is warmed up first
+and the timed runs are interleaved; the best run counts. Throughput counts output tokens only,
+over the whole run (prefill included). A benchmark, not a test: it asserts nothing about speed.
 
 Usage: ``python -m pegaserve.bench_engine [--model DIR] [--json PATH]``.
 """
@@ -51,34 +52,39 @@ def make_prompts(num_prompts: int = NUM_PROMPTS, seed: int = PROMPT_SEED) -> lis
     lengths = [round(MIN_PROMPT_TOKENS + i * step) for i in range(num_prompts)]
     order = torch.randperm(num_prompts, generator=generator).tolist()
     return [
-        torch.randint(FIRST_ORDINARY_ID, LAST_ORDINARY_ID, (lengths[i],), generator=generator).tolist()
-        for i in order
+        torch.randint(FIRST_ORDINARY_ID, LAST_ORDINARY_ID, (lengths[i],), generator=generator).tolist() for i in order
     ]
 
 
 # --- pegaserve ------------------------------------------------------------------------------------
 
 
-def run_engine(model_dir: Path, prompts: list[list[int]], max_num_seqs: int) -> tuple[float, list[list[int]]]:
-    """Submit every prompt, step until done; returns (seconds, tokens per prompt)."""
+def make_engine(model_dir: Path, max_num_seqs: int):
     from pegaserve.engine.build import load_engine  # noqa: PLC0415 - keep --help fast
     from pegaserve.engine.engine import EngineConfig  # noqa: PLC0415
+
+    num_blocks = NUM_PROMPTS * -(-(MAX_PROMPT_TOKENS + NEW_TOKENS) // 16)
+    config = EngineConfig(num_blocks=num_blocks, max_num_seqs=max_num_seqs)
+    return load_engine(model_dir, config, attention_backend="sdpa")
+
+
+def run_engine(engine, prompts: list[list[int]], tag: str) -> tuple[float, list[list[int]]]:
+    """Submit every prompt, step until done; returns (seconds, tokens per prompt)."""
     from pegaserve.engine.request import EngineRequest, SamplingParams  # noqa: PLC0415
     from pegaserve.stop import StopPolicy  # noqa: PLC0415
 
-    num_blocks = len(prompts) * -(-(MAX_PROMPT_TOKENS + NEW_TOKENS) // 16)
-    engine = load_engine(model_dir, EngineConfig(num_blocks=num_blocks, max_num_seqs=max_num_seqs), attention_backend="sdpa")
     policy = StopPolicy(NEW_TOKENS, eos_token_ids=engine.model_config.eos_token_ids, ignore_eos=True)
     greedy = SamplingParams(temperature=0.0)
-    tokens: dict[str, list[int]] = {f"p{i}": [] for i in range(len(prompts))}
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
     start = time.perf_counter()
-    for i, prompt in enumerate(prompts):
-        engine.add_request(EngineRequest(f"p{i}", tuple(prompt), greedy, policy))
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(EngineRequest(rid, tuple(prompt), greedy, policy))
     while engine.has_work():
         for output in engine.step():
             tokens[output.request_id] += [t.token_id for t in output.tokens]
     seconds = time.perf_counter() - start
-    return seconds, [tokens[f"p{i}"] for i in range(len(prompts))]
+    return seconds, [tokens[rid] for rid in ids]
 
 
 # --- transformers ---------------------------------------------------------------------------------
@@ -90,14 +96,22 @@ def load_reference(model_dir: Path):
     return Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-def run_reference(model, prompts: list[list[int]], batch_size: int) -> tuple[float, list[list[int]]]:
-    """`generate` over left-padded batches; EOS disabled so every row runs the full length."""
+def reference_configs(model) -> dict[str, object]:
+    """Two ways to make `generate` run the full length: no EOS at all (the lean one, and what
+    pegaserve's ignore_eos does), or min_new_tokens, which masks EOS in the logits every step."""
     from transformers import GenerationConfig  # noqa: PLC0415
 
-    config = GenerationConfig(
-        max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-        eos_token_id=None, pad_token_id=0,
-    )  # fmt: skip
+    eos_token_ids = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = None  # else a GenerationConfig's None means "the default"
+    common = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "pad_token_id": 0}
+    return {
+        "hf eos off": GenerationConfig(**common),
+        "hf min_new_tokens": GenerationConfig(**common, min_new_tokens=NEW_TOKENS, eos_token_id=eos_token_ids),
+    }
+
+
+def run_reference(model, config, prompts: list[list[int]], batch_size: int) -> tuple[float, list[list[int]]]:
+    """`generate` over left-padded batches, greedy, exactly NEW_TOKENS new tokens per row."""
     tokens: list[list[int]] = []
     start = time.perf_counter()
     with torch.inference_mode():
@@ -114,20 +128,10 @@ def run_reference(model, prompts: list[list[int]], batch_size: int) -> tuple[flo
 # --- the run --------------------------------------------------------------------------------------
 
 
-def timed(name: str, batch: int, fn, repeats: int) -> tuple[Result, list[list[int]]]:
-    runs, tokens = [], []
-    for _ in range(repeats):
-        seconds, tokens = fn()
-        runs.append(seconds)
-    num_output = sum(len(t) for t in tokens)
-    assert num_output == NUM_PROMPTS * NEW_TOKENS, f"{name}: {num_output} tokens, expected full length"
-    return Result(name, batch, num_output, min(runs), tuple(runs)), tokens
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=None, help="model directory (default: qwen3-tiny)")
-    parser.add_argument("--repeats", type=int, default=2, help="timed runs per configuration (best is kept)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (best is kept)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args(argv)
 
@@ -135,31 +139,52 @@ def main(argv: list[str] | None = None) -> None:
 
     model_dir = args.model or build_default_model()
     prompts = make_prompts()
-    warmup = prompts[:REFERENCE_BATCH]
-
     reference = load_reference(model_dir)
-    run_reference(reference, warmup, REFERENCE_BATCH)
-    hf, hf_tokens = timed("transformers", REFERENCE_BATCH, lambda: run_reference(reference, prompts, REFERENCE_BATCH), args.repeats)
-    del reference
+    configs = reference_configs(reference)
+    engines = {batch: make_engine(model_dir, batch) for batch in ENGINE_BATCHES}
+    # Warm up every path (and build lazily prepared weights), then interleave the timed runs so
+    # that noise from other processes on the machine hits every configuration alike.
+    for config in configs.values():
+        run_reference(reference, config, prompts[:REFERENCE_BATCH], REFERENCE_BATCH)
+    for batch, engine in engines.items():
+        run_engine(engine, prompts[:batch], "warmup")
+    runs: dict[tuple[str, int], list[float]] = {}
+    tokens: dict[tuple[str, int], list[list[int]]] = {}
+    for repeat in range(args.repeats):
+        for name, config in configs.items():
+            seconds, tokens[name, REFERENCE_BATCH] = run_reference(reference, config, prompts, REFERENCE_BATCH)
+            runs.setdefault((name, REFERENCE_BATCH), []).append(seconds)
+        for batch, engine in engines.items():
+            seconds, tokens["pegaserve", batch] = run_engine(engine, prompts, f"run{repeat}")
+            runs.setdefault(("pegaserve", batch), []).append(seconds)
 
-    results = [hf]
-    matches: dict[int, float] = {}
-    for batch in ENGINE_BATCHES:
-        run_engine(model_dir, warmup, batch)
-        result, tokens = timed("pegaserve", batch, lambda: run_engine(model_dir, prompts, batch), args.repeats)
-        results.append(result)
-        matches[batch] = statistics.mean(a == b for a, b in zip(tokens, hf_tokens))
+    results = []
+    for (name, batch), seconds in runs.items():
+        num_output = sum(len(t) for t in tokens[name, batch])
+        assert num_output == NUM_PROMPTS * NEW_TOKENS, f"{name}: {num_output} tokens, expected the full length"
+        results.append(Result(name, batch, num_output, min(seconds), tuple(seconds)))
+    by_key = {(r.name, r.batch): r for r in results}
+    hf = by_key["hf eos off", REFERENCE_BATCH]
+    hf_tokens = tokens["hf eos off", REFERENCE_BATCH]
+    same_ids = {key: statistics.mean(a == b for a, b in zip(tokens[key], hf_tokens)) for key in tokens}
 
-    print(f"{NUM_PROMPTS} prompts ({MIN_PROMPT_TOKENS}-{MAX_PROMPT_TOKENS} tokens) x {NEW_TOKENS} new tokens, greedy, fp32, "
-          f"{torch.get_num_threads()} threads, model {model_dir.name}")  # fmt: skip
-    print(f"{'engine':<14}{'batch':>6}{'tokens':>8}{'best s':>9}{'runs s':>18}{'tok/s':>9}{'vs hf':>8}{'same ids':>10}")
+    print(
+        f"{NUM_PROMPTS} prompts ({MIN_PROMPT_TOKENS}-{MAX_PROMPT_TOKENS} tokens) x {NEW_TOKENS} new tokens, greedy, "
+        f"fp32, {torch.get_num_threads()} threads, model {model_dir.name}; best of {args.repeats} interleaved runs"
+    )
+    runs_width = 6 * args.repeats + 2
+    header = ("engine", "batch", "tokens", "best s", "runs s", "tok/s", "vs hf", "same ids")
+    row_format = "{:<19}{:>6}{:>8}{:>8}{:>%d}{:>9}{:>8}{:>10}" % runs_width
+    print(row_format.format(*header))
     for r in results:
-        runs = " ".join(f"{s:.2f}" for s in r.runs_s)
-        same = "" if r is hf else f"{matches[r.batch]:.0%}"
-        print(f"{r.name:<14}{r.batch:>6}{r.num_output_tokens:>8}{r.seconds:>9.2f}{runs:>18}"
-              f"{r.tokens_per_s:>9.1f}{r.tokens_per_s / hf.tokens_per_s:>7.2f}x{same:>10}")  # fmt: skip
-    ratio = results[1].tokens_per_s / hf.tokens_per_s
-    print(f"pegaserve/transformers at batch {REFERENCE_BATCH}: {ratio:.2f}x (target >= 2x)")
+        print(row_format.format(
+            r.name, r.batch, r.num_output_tokens, f"{r.seconds:.2f}", " ".join(f"{s:.2f}" for s in r.runs_s),
+            f"{r.tokens_per_s:.1f}", f"{r.tokens_per_s / hf.tokens_per_s:.2f}x", f"{same_ids[r.name, r.batch]:.0%}",
+        ))  # fmt: skip
+    ours = by_key["pegaserve", REFERENCE_BATCH]
+    ratios = {name: ours.tokens_per_s / by_key[name, REFERENCE_BATCH].tokens_per_s for name in configs}
+    for name, ratio in ratios.items():
+        print(f"pegaserve/transformers ({name}) at batch {REFERENCE_BATCH}: {ratio:.2f}x (target >= 2x)")
 
     if args.json:
         args.json.write_text(json.dumps({
@@ -170,8 +195,8 @@ def main(argv: list[str] | None = None) -> None:
             "torch": torch.__version__,
             "machine": platform.machine(),
             "results": [{**asdict(r), "tokens_per_s": r.tokens_per_s} for r in results],
-            "ratio_at_batch_16": ratio,
-            "same_token_ids": {str(b): m for b, m in matches.items()},
+            "ratio_at_batch_16": ratios,
+            "same_token_ids_as_hf": {f"{name}@{batch}": m for (name, batch), m in same_ids.items()},
         }, indent=2) + "\n")  # fmt: skip
 
 

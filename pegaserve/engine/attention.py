@@ -72,12 +72,15 @@ class SdpaBackend(AttentionBackend):
         store_kv(k, v, kv_layer, batch.slot_mapping)
         if batch.is_decode:
             return self._decode(q, kv_layer, batch, scale)
-        return self._prefill(q, kv_layer, batch, scale)
+        return self._prefill(q, k, v, kv_layer, batch, scale)
 
     def _decode(self, q, kv_layer, batch, scale):
         num_reqs, max_blocks = batch.block_tables.shape
-        blocks = kv_layer[:, batch.block_tables]  # [2, B, max_blocks, bs, kvh, hd]
-        ctx = blocks.reshape(2, num_reqs, -1, *blocks.shape[4:]).transpose(2, 3)  # [2, B, kvh, L, hd]
+        _, num_blocks, block_size, num_kv_heads, head_dim = kv_layer.shape
+        # index_select over whole blocks copies 8 KB rows; advanced indexing is ~1.5x slower here
+        blocks = kv_layer.view(2, num_blocks, -1).index_select(1, batch.block_tables.view(-1))
+        ctx = blocks.view(2, num_reqs, max_blocks * block_size, num_kv_heads, head_dim)
+        ctx = ctx.transpose(2, 3)  # [2, B, kvh, L, hd]
         positions = torch.arange(ctx.shape[3], device=q.device)
         mask = (positions[None, :] < batch.context_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
         out = F.scaled_dot_product_attention(
@@ -85,24 +88,26 @@ class SdpaBackend(AttentionBackend):
         )  # [B, H, 1, hd]
         return out[:, :, 0, :]
 
-    def _prefill(self, q, kv_layer, batch, scale):
+    def _prefill(self, q, k, v, kv_layer, batch, scale):
         out = torch.empty_like(q)
         start = 0
         for i, (q_len, ctx_len) in enumerate(zip(batch.query_lens, batch.context_lens_cpu)):
-            num_blocks = -(-ctx_len // kv_layer.shape[2])
-            k_ctx, v_ctx = gather_context(kv_layer, batch.block_tables[i, :num_blocks], ctx_len)
-            q_i = q[start : start + q_len].transpose(0, 1)  # [H, q_len, hd]
-            if q_len == ctx_len:
+            if q_len == ctx_len:  # a fresh prompt: its whole context is this step's own K/V
+                k_ctx, v_ctx = k[start : start + q_len], v[start : start + q_len]
                 mask, causal = None, True
             else:  # continuing after a cached prefix: query j sits at position ctx_len - q_len + j
+                num_blocks = -(-ctx_len // kv_layer.shape[2])
+                k_ctx, v_ctx = gather_context(kv_layer, batch.block_tables[i, :num_blocks], ctx_len)
                 rows = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
                 mask = torch.arange(ctx_len, device=q.device)[None, :] <= rows[:, None]
                 causal = False
+            # with a batch dimension (4-D) CPU SDPA takes its flash kernel; 3-D inputs take the math path
             o = F.scaled_dot_product_attention(
-                q_i, k_ctx.transpose(0, 1), v_ctx.transpose(0, 1),
+                q[start : start + q_len].transpose(0, 1)[None],  # [1, H, q_len, hd]
+                k_ctx.transpose(0, 1)[None], v_ctx.transpose(0, 1)[None],
                 attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
-            )
-            out[start : start + q_len] = o.transpose(0, 1)
+            )  # fmt: skip
+            out[start : start + q_len] = o[0].transpose(0, 1)
             start += q_len
         return out
 

@@ -5,9 +5,10 @@ vLLM reports them by default. A seeded request draws from a generator seeded by 
 so its tokens do not depend on what else is in the batch, on preemption, or on which replica —
 prefill or decode — samples it.
 
-The whole-vocabulary passes run once per step over all rows (a vocabulary is ~150k wide, so they
-dominate a small model's step): one max, one exp-sum for the log-normalizer, one argmax. A full
-log-softmax is never materialized; top-N logprobs are the top-N logits minus the normalizer.
+A vocabulary is ~150k wide, so passes over it dominate a small model's step: each runs once per
+step over all rows — a chunked max that finds the argmax, and a chunked exp-sum for the
+log-normalizer. A full log-softmax is never materialized; top-N logprobs are the top-N logits minus
+the normalizer.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pegaserve.engine.request import SampledToken, SamplingParams
 
 _SEED_STRIDE = 1_000_003  # decorrelates (seed, position) pairs
 _ARGMAX_CHUNK = 1024
+_NORMALIZER_CHUNK = 16384
 
 
 @dataclass(frozen=True)
@@ -54,16 +56,31 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     best_chunk = maxima.argmax(-1, keepdim=True)  # [rows, 1]: the first chunk holding the max
     # The last chunk may be short: clamping repeats its last column after the real ones, and
     # argmax keeps the first occurrence, so the repeats never win over an earlier equal value.
-    columns = (best_chunk * _ARGMAX_CHUNK + torch.arange(_ARGMAX_CHUNK)).clamp_(max=vocab - 1)  # [rows, chunk]
+    offsets = torch.arange(_ARGMAX_CHUNK, device=logits.device)
+    columns = (best_chunk * _ARGMAX_CHUNK + offsets).clamp_(max=vocab - 1)  # [rows, chunk]
     within = logits.gather(1, columns).argmax(-1, keepdim=True)
     return columns.gather(1, within)[:, 0]
 
 
-def log_normalizers(logits: torch.Tensor) -> torch.Tensor:
-    """`logsumexp` of each row (`[rows]`): a token's logprob is its logit minus this."""
-    max_logits = logits.amax(-1, keepdim=True)
-    max_logits = max_logits.masked_fill(max_logits.isinf(), 0.0)  # as torch.logsumexp: no inf - inf
-    return torch.sub(logits, max_logits).exp_().sum(-1).log_().add_(max_logits[:, 0])
+def log_normalizers(logits: torch.Tensor, max_logits: torch.Tensor | None = None) -> torch.Tensor:
+    """`logsumexp` of each row (`[rows]`): a token's logprob is its logit minus this.
+    `max_logits` (`[rows, 1]`), when the caller knows each row's max, saves a pass."""
+    num_rows, vocab = logits.shape
+    if max_logits is None:
+        max_logits = logits.amax(-1, keepdim=True)
+    finite_max = max_logits.masked_fill(max_logits.isinf(), 0.0)  # as torch.logsumexp: no inf - inf
+    # A column chunk at a time through one small scratch: a vocabulary-sized temporary would be
+    # handed back to the OS on free and cost thousands of page faults on every step.
+    sums = torch.zeros(num_rows, dtype=logits.dtype, device=logits.device)
+    scratch = torch.empty(num_rows, min(_NORMALIZER_CHUNK, vocab), dtype=logits.dtype, device=logits.device)
+    for first in range(0, vocab, _NORMALIZER_CHUNK):
+        part = logits[:, first : first + _NORMALIZER_CHUNK]
+        shifted = torch.sub(part, finite_max, out=scratch[:, : part.shape[1]])
+        # exp() of anything below -80 is under 2e-35, lost next to the max's exp(0) = 1 in the
+        # sum; clamping keeps it out of fp32's denormals, which cost x86 a microcode assist each.
+        sums += shifted.clamp_(min=-80.0).exp_().sum(-1)
+    normalizers = sums.log_().add_(finite_max[:, 0])
+    return normalizers.masked_fill_(max_logits[:, 0] == float("-inf"), float("-inf"))  # all masked
 
 
 def top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -97,12 +114,14 @@ def _generator(params: SamplingParams, position: int) -> torch.Generator | None:
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
     """One token per row of `logits` ([num_rows, vocab], float32)."""
     masked = apply_mask(logits, rows)
-    token_ids = argmax_rows(masked).tolist()  # the greedy rows' tokens; the others are drawn below
+    argmax_ids = argmax_rows(masked)  # [num_rows]
+    token_ids = argmax_ids.tolist()  # the greedy rows' tokens; the others are drawn below
     for i, row in enumerate(rows):
         if not row.params.greedy:
             filtered = top_k_top_p(masked[i] / row.params.temperature, row.params.top_k, row.params.top_p)
             token_ids[i] = _draw(filtered.softmax(-1), _generator(row.params, row.num_output_tokens))
-    normalizers = log_normalizers(logits)  # [num_rows]
+    max_logits = logits.gather(1, argmax_ids[:, None]) if masked is logits else None  # unmasked: the max
+    normalizers = log_normalizers(logits, max_logits)  # [num_rows]
     chosen = (logits.gather(1, torch.tensor(token_ids)[:, None])[:, 0] - normalizers).tolist()
     return [
         SampledToken(token_id, chosen[i], _top_logprobs(logits[i], normalizers[i], rows[i].params.num_top_logprobs))
