@@ -4,17 +4,10 @@ On CPU the kernels run in Triton's interpreter (fp32, tiny shapes); with CUDA th
 compiled, in fp32/fp16/bf16, plus a few serving-sized ones.
 """
 
-from pegaserve_kernels.testing import (
-    kernel_devices,
-    kernel_dtypes,
-    kernels_unavailable_reason,
-    use_interpreter_without_cuda,
-)
+from pegaserve_kernels.testing import kernel_devices, kernel_dtypes, kernels_unavailable_reason
 
-use_interpreter_without_cuda()  # before any kernel module is imported
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 if (reason := kernels_unavailable_reason()) is not None:
     pytest.skip(reason, allow_module_level=True)

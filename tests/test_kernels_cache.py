@@ -1,17 +1,10 @@
 """KV cache kernels against their torch references: store by slot mapping, and the handoff's
 gather (pack) / scatter (unpack) of whole blocks across all layers."""
 
-from pegaserve_kernels.testing import (
-    kernel_devices,
-    kernel_dtypes,
-    kernels_unavailable_reason,
-    use_interpreter_without_cuda,
-)
+from pegaserve_kernels.testing import kernel_devices, kernel_dtypes, kernels_unavailable_reason
 
-use_interpreter_without_cuda()  # before any kernel module is imported
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 if (reason := kernels_unavailable_reason()) is not None:
     pytest.skip(reason, allow_module_level=True)

@@ -1,11 +1,9 @@
 """Each launcher rejects bad inputs with a ValueError naming the argument, before any launch."""
 
-from pegaserve_kernels.testing import kernel_devices, kernels_unavailable_reason, use_interpreter_without_cuda
+from pegaserve_kernels.testing import kernel_devices, kernels_unavailable_reason
 
-use_interpreter_without_cuda()  # before any kernel module is imported
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 if (reason := kernels_unavailable_reason()) is not None:
     pytest.skip(reason, allow_module_level=True)

@@ -1,17 +1,10 @@
 """Fused RMSNorm kernels against their references, and the references against the model's own
 `RMSNorm`/`Rotary` modules (the references are specs of what the model computes)."""
 
-from pegaserve_kernels.testing import (
-    kernel_devices,
-    kernel_dtypes,
-    kernels_unavailable_reason,
-    use_interpreter_without_cuda,
-)
+from pegaserve_kernels.testing import kernel_devices, kernel_dtypes, kernels_unavailable_reason
 
-use_interpreter_without_cuda()  # before any kernel module is imported
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 if (reason := kernels_unavailable_reason()) is not None:
     pytest.skip(reason, allow_module_level=True)

@@ -1,12 +1,10 @@
 """The `triton` attention backend equals `sdpa`: per call on random paged batches, and as greedy
 tokens of the whole engine on the tiny model (interpreted on CPU, compiled on CUDA)."""
 
-from pegaserve_kernels.testing import kernel_devices, kernels_unavailable_reason, use_interpreter_without_cuda
+from pegaserve_kernels.testing import kernel_devices, kernels_unavailable_reason
 
-use_interpreter_without_cuda()  # before any kernel module is imported
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 if (reason := kernels_unavailable_reason()) is not None:
     pytest.skip(reason, allow_module_level=True)
