@@ -15,7 +15,7 @@ from pegaserve_kernels.testing import make_paged_batch, random_qkv  # noqa: E402
 from pegaserve.engine.attention import AttentionBatch, SdpaBackend, make_backend  # noqa: E402
 from pegaserve.engine.build import load_engine  # noqa: E402
 from pegaserve.engine.engine import EngineConfig  # noqa: E402
-from tests.engine_helpers import PROMPTS, greedy_request, run_to_completion, token_ids  # noqa: E402
+from tests.engine.helpers import PROMPTS, greedy_request, run_to_completion, token_ids  # noqa: E402
 
 NEW_TOKENS = 4
 

@@ -12,8 +12,8 @@ from ray import serve
 from ray.cluster_utils import Cluster
 from transformers import Qwen3ForCausalLM
 
-from tests.engine_helpers import PROMPTS
-from tests.serve_helpers import HTTP_PORT, deploy
+from tests.engine.helpers import PROMPTS
+from tests.serve.helpers import HTTP_PORT, deploy
 
 pytestmark = pytest.mark.ray
 

@@ -17,8 +17,8 @@ from pegaserve.tokenizer import Tokenizer
 from tests.contract import cases
 from tests.contract.cases import CASES
 from tests.contract.checks import check_case
-from tests.engine_helpers import PROMPTS
-from tests.serve_helpers import deploy, start_ray, wait_for_idle_pools
+from tests.engine.helpers import PROMPTS
+from tests.serve.helpers import deploy, start_ray, wait_for_idle_pools
 
 pytestmark = pytest.mark.ray
 NEW_TOKENS = 12
@@ -156,7 +156,7 @@ def test_metrics_reach_the_ray_prometheus_endpoint(gloo_url):
     """After the traffic above, every pegaserve_* family is on the node's metrics endpoint."""
     import time
 
-    from tests.serve_helpers import METRICS_PORT
+    from tests.serve.helpers import METRICS_PORT
 
     wanted = {
         "ray_pegaserve_ttft_seconds_bucket", "ray_pegaserve_inter_token_latency_seconds_bucket",

@@ -13,8 +13,8 @@ import ray
 from ray import serve
 
 from deployments.ledger import LEDGER_NAME, LEDGER_NAMESPACE
-from tests.engine_helpers import PROMPTS
-from tests.serve_helpers import deploy, start_ray, wait_for_idle_pools, wait_healthy
+from tests.engine.helpers import PROMPTS
+from tests.serve.helpers import deploy, start_ray, wait_for_idle_pools, wait_healthy
 
 pytestmark = pytest.mark.ray
 LONG = {"prompt": PROMPTS[1], "max_tokens": 3000, "ignore_eos": True, "temperature": 0, "stream": True}

@@ -20,7 +20,7 @@ from loadtests.answers import Malformed, Params, answer_from_body, answer_from_s
 from loadtests.workload import MAX_TOKENS, GreedyMemory, plan_request
 from pegaserve.api.protocol import ChatCompletionRequest, CompletionRequest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # ---------------------------------------------------------------- hand-made answers
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.engine_helpers import EOS_IDS, PROMPTS, greedy_request, run_to_completion, token_ids
+from tests.engine.helpers import EOS_IDS, PROMPTS, greedy_request, run_to_completion, token_ids
 from pegaserve.engine.build import load_engine, scripted_engine
 from pegaserve.engine.engine import EngineConfig, Role
 from pegaserve.engine.request import Handoff
