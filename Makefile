@@ -41,7 +41,7 @@ gpu-check: model
 	$(PY) scripts/gpu_check.py
 
 # Locust against a running `make serve` (127.0.0.1 / localhost only): every answer is checked against
-# CONTRACT.md and any violation fails the run (exit 1). Reports in loadtests/reports/loadtest*.
+# docs/CONTRACT.md and any violation fails the run (exit 1). Reports in loadtests/reports/loadtest*.
 # No install step: it runs beside `make serve`, which has installed the venv.
 LOADTEST_HOST ?= http://127.0.0.1:8000
 LOADTEST_USERS ?= 16

@@ -1,5 +1,5 @@
 """The prefill deployment: prompt forward, first token sampled and classified, KV kept under a
-lease and sent to whichever decode replica claims it (CONTRACT.md rules 21-22)."""
+lease and sent to whichever decode replica claims it (docs/CONTRACT.md rules 21-22)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What a load-test request asked for and what it got back, reduced to what CONTRACT.md talks about.
+"""What a load-test request asked for and what it got back, reduced to what docs/CONTRACT.md talks about.
 
 `Params` is read from the JSON body the client sent; `Answer` from the response body or the SSE
 lines of a stream. Parsing is tolerant where the contract checks will judge (a missing finish is a

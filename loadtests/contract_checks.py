@@ -1,4 +1,4 @@
-"""CONTRACT.md as checks on one answer, for the load test: pure functions over parsed responses.
+"""docs/CONTRACT.md as checks on one answer, for the load test: pure functions over parsed responses.
 
 Each check returns the problems it found, one line each, led by the contract rule it breaks; an
 empty list means the answer keeps that part of the contract. Only what the contract guarantees for

@@ -1,4 +1,4 @@
-"""One choice's string-level and text rules (CONTRACT.md 8-18): the ingress's obligations.
+"""One choice's string-level and text rules (docs/CONTRACT.md 8-18): the ingress's obligations.
 
 A `ChoiceStream` turns the engine's token messages into client-facing deltas: it detokenizes
 incrementally, finds stop strings (earliest end wins), cuts text and tokens at the match, holds back

@@ -19,7 +19,7 @@ class StreamOptions(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    """The parameters both endpoints share (CONTRACT.md, request parameters)."""
+    """The parameters both endpoints share (docs/CONTRACT.md, request parameters)."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
 

@@ -1,4 +1,4 @@
-"""From a validated body to engine requests: every CONTRACT.md validation rule lives here, so bad
+"""From a validated body to engine requests: every docs/CONTRACT.md validation rule lives here, so bad
 input never reaches an engine."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 One engine class serves three roles. `both` (colocated) prefills and decodes; `prefill` samples
 and classifies the first token, then parks the request's blocks for export (or finishes it there
-when that token is terminal, CONTRACT.md rule 21); `decode` imports a prompt's blocks with the
+when that token is terminal, docs/CONTRACT.md rule 21); `decode` imports a prompt's blocks with the
 first token (rule 22) and continues after it — or recomputes the prompt when no KV came.
 """
 

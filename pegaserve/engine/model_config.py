@@ -69,7 +69,7 @@ def _as_set(value: int | list[int] | None) -> set[int]:
 
 
 def _eos_token_ids(model_dir: Path, hf: dict) -> frozenset[int]:
-    """Tokenizer EOS ∪ generation_config eos_token_id ∪ config eos_token_id (CONTRACT.md causes)."""
+    """Tokenizer EOS ∪ generation_config eos_token_id ∪ config eos_token_id (docs/CONTRACT.md causes)."""
     ids = _as_set(hf.get("eos_token_id"))
     gen_path = model_dir / "generation_config.json"
     if gen_path.is_file():

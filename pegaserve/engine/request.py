@@ -50,7 +50,7 @@ class StepOutput:
 
     When `finish` is a token-level cause (`Eos`/`Token`/`Length`), the last token is its trigger.
     `finish_pending` marks a last token whose terminal decision has not been made yet; a consumer
-    must not show that token until a later message decides it (CONTRACT.md rule 18).
+    must not show that token until a later message decides it (docs/CONTRACT.md rule 18).
     """
 
     request_id: str

@@ -28,7 +28,7 @@ _NORMALIZER_CHUNK = 16384
 class SamplingRow:
     params: SamplingParams
     num_output_tokens: int  # tokens this request already has; the sampled one is the next
-    masked_token_ids: frozenset[int]  # min_tokens masking (CONTRACT.md rule 6)
+    masked_token_ids: frozenset[int]  # min_tokens masking (docs/CONTRACT.md rule 6)
 
 
 def apply_mask(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

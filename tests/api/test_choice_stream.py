@@ -1,4 +1,4 @@
-"""The ingress's per-choice rules at unit level (CONTRACT.md 1, 9-11, 16, 18), on the real tokenizer."""
+"""The ingress's per-choice rules at unit level (docs/CONTRACT.md 1, 9-11, 16, 18), on the real tokenizer."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""CONTRACT.md end to end on the colocated server: every case streaming and not, via the openai
+"""docs/CONTRACT.md end to end on the colocated server: every case streaming and not, via the openai
 client; validation; the split-message case; the ledger."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The sampler: seeds, top-k/top-p, logprobs, greedy and min_tokens masking (CONTRACT.md rule 6).
+"""The sampler: seeds, top-k/top-p, logprobs, greedy and min_tokens masking (docs/CONTRACT.md rule 6).
 
 Function-level tests call `sample()` on hand-made logits; engine-level tests run the real engine,
 with the tiny model (seeds) or a scripted one (masking), so batching and the runner are exercised.

@@ -1,4 +1,4 @@
-"""CONTRACT.md token-level rules 1-7, one test each, on the policy and the engine's request."""
+"""docs/CONTRACT.md token-level rules 1-7, one test each, on the policy and the engine's request."""
 
 from pegaserve.engine.request import EngineRequest, Request, SampledToken, SamplingParams
 from pegaserve.stop import Eos, Length, StopPolicy, Token, finish_reason, stop_reason
