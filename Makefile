@@ -31,14 +31,14 @@ test: model
 	$(PY) -m pytest -q
 
 bench-engine: model
-	$(PY) -m pegaserve.bench_engine
+	$(PY) -m benchmarks.engine
 
 clean:
 	rm -rf $(VENV) models .pytest_cache
 
 # One shot on a GPU box (under 8 minutes): CUDA kernel tests, kernel and engine benchmarks -> docs/bench/GPU.md.
 gpu-check: model
-	$(PY) scripts/gpu_check.py
+	$(PY) -m benchmarks.gpu
 
 # Locust against a running `make serve` (127.0.0.1 / localhost only): every answer is checked against
 # docs/CONTRACT.md and any violation fails the run (exit 1). Reports in loadtests/reports/loadtest*.
@@ -62,10 +62,10 @@ soak: model
 # `make bench BENCH_ARGS=--url=http://127.0.0.1:8000` measures a running `make serve` instead.
 BENCH_ARGS ?=
 bench: model
-	$(PY) -m loadtests.bench $(BENCH_ARGS)
+	$(PY) -m benchmarks.serve $(BENCH_ARGS)
 
 # KV handoff per CPU transport against raw gloo / object-store bandwidth, TTFT of P/D vs colocated
 # (about 1.5 minutes) -> docs/bench/KV.md.
 .PHONY: bench-kv
 bench-kv: model
-	$(PY) -m loadtests.bench_kv
+	$(PY) -m benchmarks.kv

@@ -1,5 +1,5 @@
 """Microbenchmarks of each kernel against its torch reference, in bytes moved and FLOPs, for the
-GPU check (`scripts/gpu_check.py`). Shapes default to Qwen3-0.6B's attention on CUDA.
+GPU check (`benchmarks/gpu.py`). Shapes default to Qwen3-0.6B's attention on CUDA.
 
 On CUDA, timings are `triton.testing.do_bench` medians (L2 flushed between runs), in microseconds.
 On the CPU (interpreted; the GPU check's dry run) they are wall times that only smoke-test the code.
@@ -15,13 +15,13 @@ import torch
 
 from pegaserve.engine.attention import AttentionBatch, SdpaBackend
 
-from .backend import TritonBackend
-from .block_copy import gather_blocks, gather_blocks_reference, scatter_blocks, scatter_blocks_reference
-from .decode_attention import paged_decode_attention, paged_decode_attention_reference
-from .norm_rope import add_rms_norm, add_rms_norm_reference, qk_norm_rope, qk_norm_rope_reference
-from .prefill_attention import prefill_attention, prefill_attention_reference
-from .store_kv import store_kv, store_kv_reference
-from .testing import PagedBatch, make_paged_batch, noise, random_qkv
+from pegaserve_kernels.backend import TritonBackend
+from pegaserve_kernels.block_copy import gather_blocks, gather_blocks_reference, scatter_blocks, scatter_blocks_reference
+from pegaserve_kernels.decode_attention import paged_decode_attention, paged_decode_attention_reference
+from pegaserve_kernels.norm_rope import add_rms_norm, add_rms_norm_reference, qk_norm_rope, qk_norm_rope_reference
+from pegaserve_kernels.prefill_attention import prefill_attention, prefill_attention_reference
+from pegaserve_kernels.store_kv import store_kv, store_kv_reference
+from pegaserve_kernels.testing import PagedBatch, make_paged_batch, noise, random_qkv
 
 
 @dataclass(frozen=True)

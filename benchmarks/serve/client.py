@@ -13,7 +13,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from loadtests.bench_stats import RequestTiming
+from benchmarks.serve.stats import RequestTiming
 
 REQUEST_TIMEOUT_S = 120.0
 

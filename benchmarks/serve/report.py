@@ -1,37 +1,18 @@
 """RESULTS.md and the two plots, from the benchmark's raw results (results.json's structure).
 
-Everything between `<!-- notes -->` and `<!-- /notes -->` in an existing RESULTS.md (the
-hand-written reading of the figures) is kept when the file is rewritten.
+The hand-written notes of an existing RESULTS.md are kept when it is rewritten (`benchmarks.reports`).
 """
 
 from __future__ import annotations
 
 import datetime
 import math
-import os
-import platform
-import re
 import statistics
 from pathlib import Path
 
-NOTES_RE = re.compile(r"<!-- notes -->.*?<!-- /notes -->", re.S)
-NOTES_PLACEHOLDER = "<!-- notes -->\n_(no notes yet)_\n<!-- /notes -->"
+from benchmarks.reports import kept_notes, machine
+
 REFERENCE_KEY = "transformers"
-
-
-def machine() -> dict:
-    cpu_model = "unknown"
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    with open("/proc/meminfo") as f:
-        mem_kb = int(next(line for line in f if line.startswith("MemTotal")).split()[1])
-    import torch  # noqa: PLC0415
-
-    return {"nproc": len(os.sched_getaffinity(0)), "cpu_model": cpu_model, "ram_gib": mem_kb / 2**20,
-            "python": platform.python_version(), "torch": torch.__version__, "kernel": platform.release()}
 
 
 def _ms(seconds: float | None) -> str:
@@ -144,7 +125,7 @@ def _target(systems: list[dict], level: int) -> str:
 
 
 def write_report(raw: dict, out: Path) -> None:
-    from loadtests.bench_stats import Slo  # noqa: PLC0415
+    from benchmarks.serve.stats import Slo  # noqa: PLC0415
 
     systems = [s for s in raw["systems"] if s["levels"]]
     settings = raw["settings"]
@@ -152,23 +133,20 @@ def write_report(raw: dict, out: Path) -> None:
     m = machine()
     slo = Slo(**settings["slo"])
     path = out / "RESULTS.md"
-    notes = NOTES_PLACEHOLDER
-    if path.exists():
-        found = NOTES_RE.search(path.read_text())
-        notes = found.group(0) if found else notes
+    notes = kept_notes(path)
     plot(systems, out)
     today = datetime.date.today().isoformat()
     requests = ", ".join(f"{n} at {c}" for c, n in settings["num_requests"].items())
     lines = [
         "# pegaserve benchmark results", "",
-        f"Written by `make bench` (`loadtests/bench.py`) on {today}; total run {settings['total_s']:.0f} s. "
+        f"Written by `make bench` (`benchmarks/serve/`) on {today}; total run {settings['total_s']:.0f} s. "
         "Raw figures: `results.json`. KV handoff figures: [KV.md](KV.md).", "",
         f"**Machine**: `nproc` = {m['nproc']}, {m['cpu_model']}, {m['ram_gib']:.1f} GiB RAM, Linux {m['kernel']}, "
         f"Python {m['python']}, torch {m['torch']} (CPU). The machine is shared: the `others' CPU` column is what "
         "processes outside the benchmark used during each level, in cores.", "",
         "## Setup", "",
         f"- Model `{settings['model']}` (Qwen3, hidden 256, 4 layers, vocab 151,936, fp32, random weights).",
-        f"- Prompts: `pegaserve.bench_engine.make_prompts` — deterministic token ids, lengths spread over 16-128; "
+        f"- Prompts: `benchmarks.engine.make_prompts` — deterministic token ids, lengths spread over 16-128; "
         f"level with N requests sends the first N. {settings['max_tokens']} new tokens each, temperature 0, "
         f"`ignore_eos` (every request runs the full length). Requests per level: {requests}; no request starts "
         f"later than {settings['level_budget_s']:.0f} s into a level.",

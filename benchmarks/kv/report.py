@@ -1,5 +1,5 @@
-"""KV.md from `bench_kv`'s results (kv.json's structure); hand-written notes between
-`<!-- notes -->` and `<!-- /notes -->` survive a rewrite."""
+"""KV.md from `benchmarks.kv.run`'s results (kv.json's structure); its hand-written notes survive
+a rewrite (`benchmarks.reports`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import datetime
 import statistics
 from pathlib import Path
 
-from loadtests.bench_report import NOTES_PLACEHOLDER, NOTES_RE, machine
+from benchmarks.reports import kept_notes, machine
 
 
 def _median(values) -> float | None:
@@ -64,13 +64,10 @@ def _ttft_table(result: dict) -> list[str]:
 def write_kv_report(result: dict, path: Path) -> None:
     m = machine()
     settings = result["settings"]
-    notes = NOTES_PLACEHOLDER
-    if path.exists():
-        found = NOTES_RE.search(path.read_text())
-        notes = found.group(0) if found else notes
+    notes = kept_notes(path)
     lines = [
         "# KV handoff figures", "",
-        f"Written by `make bench-kv` (`loadtests/bench_kv.py`) on {datetime.date.today().isoformat()}; total run "
+        f"Written by `make bench-kv` (`benchmarks/kv/`) on {datetime.date.today().isoformat()}; total run "
         f"{settings['total_s']:.0f} s. Raw figures: `kv.json`. Throughput and latency under load: "
         "[RESULTS.md](RESULTS.md).", "",
         f"**Machine**: `nproc` = {m['nproc']}, {m['cpu_model']}, {m['ram_gib']:.1f} GiB RAM, torch {m['torch']} (CPU), "
@@ -84,7 +81,7 @@ def write_kv_report(result: dict, path: Path) -> None:
         "(raw SSE: the least client overhead between us and the timestamps).",
         "- **handoff** = the ledger's `handoff.seconds`: decode's view, from claiming the lease to the KV in hand — "
         "the KV port round trip, prefill packing the blocks (between two engine steps), and the transfer itself. "
-        "**raw** = the same bytes between two plain Ray actors with nothing else (`loadtests/bench_transport.py`): "
+        "**raw** = the same bytes between two plain Ray actors with nothing else (`benchmarks/kv/transport.py`): "
         "gloo is one `ProcessGroupGloo` send/recv (the `GlooPair` the app uses), timed on the receiver; object "
         "store is `ray.put` of the torch tensor in one actor + `ray.get` in the other (and, for comparison, the same "
         "bytes as a numpy array, which Ray stores without pickling and maps zero-copy on get). Median of 10 after "

@@ -1,6 +1,6 @@
 """Raw send/recv bandwidth of each CPU KV transport between two plain Ray actors.
 
-The yardstick for the handoff figures in `bench_kv`: the same number of bytes, moved the way the
+The yardstick for the handoff figures in `benchmarks.kv.run`: the same number of bytes, moved the way the
 transport moves them, without Serve, leases, the KV port or the engine around it.
 - gloo: `deployments.transport.GlooPair` (torch.distributed ProcessGroupGloo over TCP, 127.0.0.1),
   one tensor send on rank 0, the matching recv on rank 1, timed on the receiver.

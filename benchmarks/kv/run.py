@@ -4,13 +4,13 @@ For each transport (gloo, object_store) a P/D app is deployed on an in-process R
 (127.0.0.1) and sent prompts of 128, 512 and 2048 tokens, one request at a time (streaming, 4 new
 tokens, greedy, EOS ignored); each request's ledger record gives the KV bytes moved and decode's
 seconds from claim to KV in hand. The raw send/recv bandwidth of the same transport for the same
-byte counts is measured between two plain Ray actors (`bench_transport`). A colocated app gets the
+byte counts is measured between two plain Ray actors (`benchmarks.kv.transport`). A colocated app gets the
 same prompts, for TTFT. P/D sends its first token from prefill, before any KV moves, so the
 handoff shows in the time to the *second* token; both are reported.
 
 Writes docs/bench/kv.json and docs/bench/KV.md.
 
-    python -m loadtests.bench_kv [--lengths 128,512,2048] [--repeats 5]
+    python -m benchmarks.kv [--lengths 128,512,2048] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from pathlib import Path
 import httpx
 import torch
 
-from loadtests.bench_kv_report import write_kv_report
+from benchmarks.kv.report import write_kv_report
+from benchmarks.reports import DOCS_DIR
 
 TRANSPORTS = ("gloo", "object_store")
 LENGTHS = (128, 512, 2048)
@@ -36,7 +37,6 @@ MODEL = "qwen3-tiny"
 SEED = 4321
 FIRST_ORDINARY_ID, LAST_ORDINARY_ID = 100, 150_000  # clear of the special ids (151643+)
 REQUEST_TIMEOUT_S = 60.0
-OUT_DIR = Path(__file__).resolve().parents[1] / "docs" / "bench"
 
 
 @dataclasses.dataclass
@@ -123,11 +123,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="prompt lengths in tokens")
     parser.add_argument("--repeats", type=int, default=REPEATS, help="timed requests per length and app")
-    parser.add_argument("--out", type=Path, default=OUT_DIR)
+    parser.add_argument("--out", type=Path, default=DOCS_DIR)
     args = parser.parse_args(argv)
 
-    from loadtests.bench_serve import LocalServe  # noqa: PLC0415
-    from loadtests.bench_transport import raw_bandwidth  # noqa: PLC0415
+    from benchmarks.kv.transport import raw_bandwidth  # noqa: PLC0415
+    from benchmarks.local_serve import LocalServe  # noqa: PLC0415
 
     lengths = [int(n) for n in args.lengths.split(",")]
     started = time.perf_counter()

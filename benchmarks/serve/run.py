@@ -1,16 +1,16 @@
 """`make bench`: pegaserve P/D and colocated over HTTP against transformers `generate` offline.
 
-The same deterministic prompts (16-128 tokens, `pegaserve.bench_engine.make_prompts`), 64 new
+The same deterministic prompts (16-128 tokens, `benchmarks.engine.make_prompts`), 64 new
 tokens each, greedy, EOS ignored, at concurrency 1, 4, 16 and 32 (max(8, 2 x concurrency)
 requests per level). pegaserve is driven by the official `openai` client with `stream=True`;
 transformers runs batch = concurrency in this process. Each level also records where the CPU went
-(`bench_cpu`), and the P/D app's ledger says how long each request spent in each phase.
+(`benchmarks.cpu`), and the P/D app's ledger says how long each request spent in each phase.
 
 By default Ray and Serve are started in this process on 127.0.0.1 and both apps are deployed one
 after the other; `--url` benchmarks an already running server instead (e.g. `make serve`).
 Writes docs/bench/results.json, RESULTS.md, throughput.png and latency.png.
 
-    python -m loadtests.bench [--url http://127.0.0.1:8000] [--systems pd,colocated,transformers]
+    python -m benchmarks.serve [--url http://127.0.0.1:8000] [--systems pd,colocated,transformers]
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ from pathlib import Path
 from typing import TypeVar
 from urllib.parse import urlsplit
 
-from loadtests.bench_client import LevelRun, read_ledger, run_level, warm_up
-from loadtests.bench_cpu import CpuMeter, CpuUsage, QuietGate
-from loadtests.bench_stats import LevelSummary, Slo, summarize
+from benchmarks.cpu import CpuMeter, CpuUsage, QuietGate
+from benchmarks.reports import DOCS_DIR
+from benchmarks.serve.client import LevelRun, read_ledger, run_level, warm_up
+from benchmarks.serve.stats import LevelSummary, Slo, summarize
 
 LEVELS = (1, 4, 16, 32)
 MAX_TOKENS = 64
@@ -45,7 +46,6 @@ SYSTEM_NAMES = {
     "url": "pegaserve at --url",
 }
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
-OUT_DIR = Path(__file__).resolve().parents[1] / "docs" / "bench"
 T = TypeVar("T")
 
 
@@ -117,7 +117,7 @@ def bench_http(key: str, url: str, prompts: list[list[int]], levels: tuple[int, 
 
 def bench_local_serve(keys: list[str], prompts, levels, slo: Slo, budget_s: float, gate: QuietGate,
                       engine_threads: int | None, stream_interval: int = 1) -> list[SystemResult]:
-    from loadtests.bench_serve import LocalServe  # noqa: PLC0415
+    from benchmarks.local_serve import LocalServe  # noqa: PLC0415
 
     results = []
     with LocalServe(engine_threads=engine_threads) as local:
@@ -139,7 +139,7 @@ def bench_local_serve(keys: list[str], prompts, levels, slo: Slo, budget_s: floa
 
 
 def bench_transformers(model_dir: Path, prompts, levels, slo: Slo, budget_s: float, gate: QuietGate) -> SystemResult:
-    from loadtests.bench_reference import Reference  # noqa: PLC0415
+    from benchmarks.serve.reference import Reference  # noqa: PLC0415
 
     result = SystemResult("transformers")
     start = time.perf_counter()
@@ -222,11 +222,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="torch threads per engine replica (default: Ray's 1 for 0.5 CPU, as `make serve`)")
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="the apps' stream_interval: tokens per decode->ingress message and per SSE chunk")
-    parser.add_argument("--out", type=Path, default=OUT_DIR, help="where results.json, RESULTS.md and plots go")
+    parser.add_argument("--out", type=Path, default=DOCS_DIR, help="where results.json, RESULTS.md and plots go")
     args = parser.parse_args(argv)
 
-    from loadtests.bench_report import write_report  # noqa: PLC0415
-    from pegaserve.bench_engine import make_prompts  # noqa: PLC0415
+    from benchmarks.serve.report import write_report  # noqa: PLC0415
+    from benchmarks.engine import make_prompts  # noqa: PLC0415
     from pegaserve.default_model import build_default_model  # noqa: PLC0415
 
     levels = tuple(int(c) for c in args.levels.split(","))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from loadtests.bench_stats import RequestTiming
+from benchmarks.serve.stats import RequestTiming
 
 
 class StepClock:

@@ -7,7 +7,7 @@ EOS switched off (and, for reference, with min_new_tokens instead). Everything i
 and the timed runs are interleaved; the best run counts. Throughput counts output tokens only,
 over the whole run (prefill included). A benchmark, not a test: it asserts nothing about speed.
 
-Usage: ``python -m pegaserve.bench_engine [--model DIR] [--json PATH]``.
+Usage: ``python -m benchmarks.engine [--model DIR] [--json PATH]``.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ model (random bf16 weights) against transformers `generate`. Writes docs/bench/G
 Every section runs in its own try/except: a failure is recorded in the report and the next section
 still runs. The whole run stays under a time budget (8 minutes on one H200 by default).
 
-Usage: python scripts/gpu_check.py [--dry-run] [--out docs/bench/GPU.md] [--skip-tests] [--budget-s 420]
+Usage: python -m benchmarks.gpu [--dry-run] [--out docs/bench/GPU.md] [--skip-tests] [--budget-s 420]
 `--dry-run` needs no GPU: it runs every section's code at tiny sizes on the CPU (kernels
 interpreted) and prints the report. On a borrowed device machine, `--out $OUT/GPU.md` brings the
 figures back; the report is rewritten after each section, so even a killed run leaves its figures.
@@ -30,16 +30,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # run from a checkout without an install, too
-
-from pegaserve.engine.build import load_engine  # noqa: E402
-from pegaserve.engine.engine import EngineConfig  # noqa: E402
-from pegaserve.engine.request import EngineRequest, SamplingParams  # noqa: E402
-from pegaserve.stop import StopPolicy  # noqa: E402
+from benchmarks.reports import DOCS_DIR, REPO_ROOT
+from pegaserve.engine.build import load_engine
+from pegaserve.engine.engine import EngineConfig
+from pegaserve.engine.request import EngineRequest, SamplingParams
+from pegaserve.stop import StopPolicy
 
 if TYPE_CHECKING:  # kernel modules load late: the dry run sets up the interpreter first
-    from pegaserve_kernels.bench import Timing
+    from benchmarks.kernels import Timing
 
 # Datasheet HBM bandwidths (GB/s), matched against the device name.
 SPEC_PEAK_GB_S = {"H200": 4800, "H100": 3350, "H800": 3350, "A100": 2039, "L40S": 864, "A10G": 600, "L4": 300}
@@ -137,7 +135,7 @@ def kernel_tests(check: Check, section: Section) -> None:
     timeout_s = max(30.0, min(240.0, check.remaining_s() - 200))
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s, check=False,
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout_s, check=False,
     )  # fmt: skip
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else "(no output)"
     section.lines.append(f"`pytest {' '.join(tests)}`: **{summary}**")
@@ -148,7 +146,7 @@ def kernel_tests(check: Check, section: Section) -> None:
 
 
 def bandwidth(check: Check, section: Section) -> None:
-    from pegaserve_kernels.bench import copy_bandwidth_gb_s
+    from benchmarks.kernels import copy_bandwidth_gb_s
 
     name = torch.cuda.get_device_name(0)
     check.spec_peak_gb_s = next((v for k, v in SPEC_PEAK_GB_S.items() if k in name), None)
@@ -161,7 +159,7 @@ def bandwidth(check: Check, section: Section) -> None:
 
 
 def kernel_benchmarks(check: Check, section: Section) -> None:
-    from pegaserve_kernels import bench
+    from benchmarks import kernels as bench
 
     timings = [bench.bench_store_kv(64), bench.bench_store_kv(8192)]
     for batch in GPU_WORKLOAD.batches:
@@ -182,7 +180,7 @@ def kernel_benchmarks(check: Check, section: Section) -> None:
 
 def decode_sweep(check: Check, section: Section) -> None:
     """Launch plans for the decode kernel at batch 64 x 2k, to tune its defaults."""
-    from pegaserve_kernels import bench
+    from benchmarks import kernels as bench
 
     timings = [bench.bench_decode([2048] * 64)]  # the default plan first
     for block_n, num_warps, num_splits in itertools.product((32, 64, 128), (4, 8), (1, 2, 4, 8)):
@@ -401,7 +399,7 @@ def _fmt(value: float | None, pattern: str) -> str:
 
 def render(check: Check) -> str:
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [f"# GPU check: {check.device_name}", "", f"Run {now} by `make gpu-check` (scripts/gpu_check.py).", ""]
+    lines = [f"# GPU check: {check.device_name}", "", f"Run {now} by `make gpu-check` (benchmarks/gpu.py).", ""]
     for s in check.sections:
         lines += [f"## {s.title}", "", f"_{s.seconds:.0f} s_", ""]
         lines += s.lines
@@ -429,7 +427,7 @@ def dry_run() -> int:
 
 
 def _tiny_kernel_benchmarks(check: Check, section: Section) -> None:
-    from pegaserve_kernels import bench
+    from benchmarks import kernels as bench
 
     shape = bench.AttentionShape(
         num_heads=4, num_kv_heads=2, head_dim=32, block_size=8, dtype=torch.float32, device="cpu"
@@ -449,7 +447,7 @@ def _tiny_kernel_benchmarks(check: Check, section: Section) -> None:
 
 
 def _render_sample_table(section: Section) -> None:
-    from pegaserve_kernels.bench import Timing
+    from benchmarks.kernels import Timing
 
     sample = Timing("decode attention", "batch 64, ctx 2048", 180.0, 900.0, "reference", bytes_moved=537_000_000)
     check = Check(deadline=0.0, device_name="sample", copy_peak_gb_s=4000.0, spec_peak_gb_s=4800.0)
@@ -460,7 +458,7 @@ def _render_sample_table(section: Section) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="no GPU needed: import and smoke-check only")
-    parser.add_argument("--out", type=Path, default=REPO / "docs" / "bench" / "GPU.md")
+    parser.add_argument("--out", type=Path, default=DOCS_DIR / "GPU.md")
     parser.add_argument("--skip-tests", action="store_true", help="skip the CUDA kernel tests")
     parser.add_argument("--budget-s", type=float, default=420, help="start no section after this long")
     args = parser.parse_args(argv)

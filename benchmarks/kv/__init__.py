@@ -1,0 +1,1 @@
+"""The KV handoff benchmark (`make bench-kv`): `python -m benchmarks.kv --help`."""

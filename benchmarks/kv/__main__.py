@@ -1,0 +1,3 @@
+from benchmarks.kv.run import main
+
+main()

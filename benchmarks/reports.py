@@ -1,0 +1,39 @@
+"""What every benchmark report shares: the machine it ran on, and the hand-written notes kept
+between `<!-- notes -->` and `<!-- /notes -->` when a report is rewritten."""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DOCS_DIR = REPO_ROOT / "docs" / "bench"  # where every report and its raw figures go by default
+NOTES_RE = re.compile(r"<!-- notes -->.*?<!-- /notes -->", re.S)
+NOTES_PLACEHOLDER = "<!-- notes -->\n_(no notes yet)_\n<!-- /notes -->"
+
+
+def machine() -> dict:
+    """CPU model, usable cores, RAM, and the versions every report names."""
+    cpu_model = "unknown"
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    with open("/proc/meminfo") as f:
+        mem_kb = int(next(line for line in f if line.startswith("MemTotal")).split()[1])
+    import torch  # noqa: PLC0415
+
+    return {"nproc": len(os.sched_getaffinity(0)), "cpu_model": cpu_model, "ram_gib": mem_kb / 2**20,
+            "python": platform.python_version(), "torch": torch.__version__, "kernel": platform.release()}
+
+
+def kept_notes(path: Path) -> str:
+    """The notes block of the report at `path`, or a placeholder when there is none yet."""
+    if path.exists():
+        found = NOTES_RE.search(path.read_text())
+        if found:
+            return found.group(0)
+    return NOTES_PLACEHOLDER

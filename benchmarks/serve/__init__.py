@@ -1,0 +1,1 @@
+"""The HTTP benchmark (`make bench`): `python -m benchmarks.serve --help`."""
