@@ -59,32 +59,39 @@ def make_prompts(num_prompts: int = NUM_PROMPTS, seed: int = PROMPT_SEED) -> lis
 # --- pegaserve ------------------------------------------------------------------------------------
 
 
-def make_engine(model_dir: Path, max_num_seqs: int):
+def make_engine(model_dir: Path, max_num_seqs: int, num_blocks: int | None = None):
+    """fp32, sdpa attention; by default just enough 16-token blocks for every prompt at once."""
     from pegaserve.engine.build import load_engine  # noqa: PLC0415 - keep --help fast
     from pegaserve.engine.engine import EngineConfig  # noqa: PLC0415
 
-    num_blocks = NUM_PROMPTS * -(-(MAX_PROMPT_TOKENS + NEW_TOKENS) // 16)
+    if num_blocks is None:
+        num_blocks = NUM_PROMPTS * -(-(MAX_PROMPT_TOKENS + NEW_TOKENS) // 16)
     config = EngineConfig(num_blocks=num_blocks, max_num_seqs=max_num_seqs)
     return load_engine(model_dir, config, attention_backend="sdpa")
 
 
-def run_engine(engine, prompts: list[list[int]], tag: str) -> tuple[float, list[list[int]]]:
-    """Submit every prompt, step until done; returns (seconds, tokens per prompt)."""
+def run_engine(
+    engine, prompts: list[list[int]], tag: str, new_tokens: int = NEW_TOKENS
+) -> tuple[float, list[list[int]]]:
+    """Submit every prompt (greedy, EOS ignored), step until done; (seconds, tokens per prompt)."""
+    from pegaserve.engine.offline import run_until_idle, token_ids  # noqa: PLC0415
     from pegaserve.engine.request import EngineRequest, SamplingParams  # noqa: PLC0415
     from pegaserve.stop import StopPolicy  # noqa: PLC0415
 
-    policy = StopPolicy(NEW_TOKENS, eos_token_ids=engine.model_config.eos_token_ids, ignore_eos=True)
+    policy = StopPolicy(new_tokens, eos_token_ids=engine.model_config.eos_token_ids, ignore_eos=True)
     greedy = SamplingParams(temperature=0.0)
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
-    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
     start = time.perf_counter()
     for rid, prompt in zip(ids, prompts):
         engine.add_request(EngineRequest(rid, tuple(prompt), greedy, policy))
-    while engine.has_work():
-        for output in engine.step():
-            tokens[output.request_id] += [t.token_id for t in output.tokens]
+    outputs = run_until_idle(engine, max_steps(len(prompts), new_tokens))
     seconds = time.perf_counter() - start
-    return seconds, [tokens[rid] for rid in ids]
+    return seconds, [token_ids(outputs.get(rid, [])) for rid in ids]
+
+
+def max_steps(num_requests: int, max_new_tokens: int = NEW_TOKENS) -> int:
+    """A generous step budget: every request prefilled and decoded one after another, twice over."""
+    return 2 * num_requests * (MAX_PROMPT_TOKENS + max_new_tokens)
 
 
 # --- transformers ---------------------------------------------------------------------------------

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 
 from pegaserve.engine.attention import AttentionBatch, SdpaBackend
-
 from pegaserve_kernels.backend import TritonBackend
 from pegaserve_kernels.block_copy import gather_blocks, gather_blocks_reference, scatter_blocks, scatter_blocks_reference
 from pegaserve_kernels.decode_attention import paged_decode_attention, paged_decode_attention_reference

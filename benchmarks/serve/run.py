@@ -165,29 +165,17 @@ def bench_engine_alone(model_dir: Path, prompts: list[list[int]], max_num_seqs: 
     at once and stepped to the end: the ceiling the HTTP path is measured against."""
     import torch  # noqa: PLC0415
 
-    from pegaserve.engine.build import load_engine  # noqa: PLC0415
-    from pegaserve.engine.engine import EngineConfig  # noqa: PLC0415
-    from pegaserve.engine.request import EngineRequest, SamplingParams  # noqa: PLC0415
-    from pegaserve.stop import StopPolicy  # noqa: PLC0415
+    from benchmarks.engine import make_engine, run_engine  # noqa: PLC0415
 
-    engine = load_engine(model_dir, EngineConfig(num_blocks=1024, max_num_seqs=max_num_seqs), attention_backend="sdpa")
-    policy = StopPolicy(MAX_TOKENS, eos_token_ids=engine.model_config.eos_token_ids, ignore_eos=True)
-
-    def run(batch: list[list[int]], tag: str) -> tuple[float, int]:
-        start, num_tokens = time.perf_counter(), 0
-        for i, prompt in enumerate(batch):
-            engine.add_request(EngineRequest(f"{tag}-{i}", tuple(prompt), SamplingParams(temperature=0.0), policy))
-        while engine.has_work():
-            num_tokens += sum(len(output.tokens) for output in engine.step())
-        return time.perf_counter() - start, num_tokens
-
+    engine = make_engine(model_dir, max_num_seqs, num_blocks=1024)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        run(prompts[:4], "warm-up")
-        seconds, num_tokens = run(prompts, "timed")
+        run_engine(engine, prompts[:4], "warm-up", MAX_TOKENS)
+        seconds, tokens = run_engine(engine, prompts, "timed", MAX_TOKENS)
     finally:
         torch.set_num_threads(threads)
+    num_tokens = sum(len(t) for t in tokens)
     print(f"engine alone, 1 thread, {len(prompts)} requests, max_num_seqs {max_num_seqs}: "
           f"{num_tokens / seconds:.1f} tok/s", flush=True)  # fmt: skip
     return {"num_requests": len(prompts), "max_num_seqs": max_num_seqs, "threads": 1, "seconds": seconds,
@@ -225,8 +213,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=DOCS_DIR, help="where results.json, RESULTS.md and plots go")
     args = parser.parse_args(argv)
 
-    from benchmarks.serve.report import write_report  # noqa: PLC0415
     from benchmarks.engine import make_prompts  # noqa: PLC0415
+    from benchmarks.serve.report import write_report  # noqa: PLC0415
     from pegaserve.default_model import build_default_model  # noqa: PLC0415
 
     levels = tuple(int(c) for c in args.levels.split(","))

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from pegaserve.engine.engine import Engine
+from pegaserve.engine.offline import run_until_idle, token_ids
 from pegaserve.engine.request import EngineRequest, SamplingParams, StepOutput
 from pegaserve.stop import StopPolicy
+
+__all__ = ["EOS_IDS", "PROMPTS", "greedy_request", "run_to_completion", "token_ids"]
 
 EOS_IDS = frozenset({151645, 151643})
 
@@ -15,18 +18,8 @@ def greedy_request(request_id: str, prompt: list[int], max_tokens: int, **policy
 
 
 def run_to_completion(engine: Engine, max_steps: int = 10_000) -> dict[str, list[StepOutput]]:
-    """Step until idle; each request's outputs, in order."""
-    outputs: dict[str, list[StepOutput]] = {}
-    for _ in range(max_steps):
-        if not engine.has_work():
-            return outputs
-        for output in engine.step():
-            outputs.setdefault(output.request_id, []).append(output)
-    raise AssertionError("engine did not go idle")
-
-
-def token_ids(outputs: list[StepOutput]) -> list[int]:
-    return [t.token_id for o in outputs for t in o.tokens]
+    """Step until idle; each request's outputs, in order (raises if it does not go idle)."""
+    return run_until_idle(engine, max_steps)
 
 
 PROMPTS = [
