@@ -16,11 +16,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import itertools
-import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -30,43 +28,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from benchmarks.gpu_engine import DRY_WORKLOAD, GPU_WORKLOAD, TINY_SHAPE, engine_throughput
 from benchmarks.reports import DOCS_DIR, REPO_ROOT
-from pegaserve.engine.build import load_engine
-from pegaserve.engine.engine import EngineConfig
-from pegaserve.engine.request import EngineRequest, SamplingParams
-from pegaserve.stop import StopPolicy
 
 if TYPE_CHECKING:  # kernel modules load late: the dry run sets up the interpreter first
     from benchmarks.kernels import Timing
 
 # Datasheet HBM bandwidths (GB/s), matched against the device name.
 SPEC_PEAK_GB_S = {"H200": 4800, "H100": 3350, "H800": 3350, "A100": 2039, "L40S": 864, "A10G": 600, "L4": 300}
-QWEN3_06B_SHAPE = dict(
-    hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-    intermediate_size=3072, vocab_size=151936,
-)  # fmt: skip
-TINY_SHAPE = dict(
-    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-    intermediate_size=128, vocab_size=1024,
-)  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Workload:
-    """Engine vs transformers decode: `batches` of random prompts, greedy, EOS ignored."""
-
-    batches: tuple[int, ...]
-    prompt_tokens: int
-    new_tokens: int
-    device: str
-    dtype: torch.dtype
-    warmup: tuple[int, int, int]  # (batch, prompt, new tokens) run first, to compile the kernels
-
-
-# the warm-up's contexts run from 32 to 80 tokens: both decode variants (one split, several) compile
-GPU_WORKLOAD = Workload((1, 16, 64), 128, 128, device="cuda", dtype=torch.bfloat16, warmup=(4, 32, 48))
-DRY_WORKLOAD = Workload((1, 2), 8, 4, device="cpu", dtype=torch.float32, warmup=(1, 4, 2))
-
 
 @dataclass
 class Section:
@@ -191,177 +160,6 @@ def decode_sweep(check: Check, section: Section) -> None:
     section.lines += _timing_table(check, sorted(timings, key=lambda t: t.triton_us))
 
 
-def engine_throughput(section: Section, workload: Workload = GPU_WORKLOAD, shape: dict = QWEN3_06B_SHAPE) -> None:
-    backends = ("triton", "sdpa")  # on the CPU (dry run) triton runs interpreted
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_random_qwen3(Path(tmp), shape, workload.dtype, workload.device)
-        rates = {backend: _engine_rates(model_dir, backend, workload) for backend in backends}
-        rates["transformers"] = _transformers_rates(model_dir, workload)
-    dtype_name = str(workload.dtype).removeprefix("torch.")
-    columns = [f"{'' if name == 'transformers' else 'engine '}{name} tok/s" for name in rates]
-    section.lines += [
-        (
-            f"Decode tokens/s after a {workload.prompt_tokens}-token prompt, {workload.new_tokens} greedy tokens "
-            f"per request (prefill excluded; random {dtype_name} weights, {shape['num_hidden_layers']} layers, "
-            f"hidden {shape['hidden_size']})."
-        ),
-        "",
-        "| batch | " + " | ".join(columns) + " | engine / transformers |",
-        "|---:|" + "---:|" * (len(rates) + 1),
-    ]
-    for batch in workload.batches:
-        ratio = rates[backends[0]][batch] / rates["transformers"][batch]
-        cells = [f"{rates[name][batch]:.0f}" for name in rates]
-        section.lines.append(f"| {batch} | " + " | ".join(cells) + f" | **{ratio:.2f}x** |")
-    biggest = workload.batches[-1]
-    ratio = rates[backends[0]][biggest] / rates["transformers"][biggest]
-    verdict = "met" if ratio >= 3 else "NOT met"
-    section.lines.append(f"\nTarget: batch {biggest} at least 3x transformers: **{verdict}** ({ratio:.2f}x)")
-    section.lines.append(_sampling_cost_line(biggest, shape["vocab_size"], workload.device))
-
-
-# ----------------------------------------------------------------------------------------- engine
-
-
-def write_random_qwen3(out_dir: Path, shape: dict, dtype: torch.dtype, device: str) -> Path:
-    """A Hugging Face Qwen3 directory (config.json + model.safetensors, tied embeddings) with
-    random weights drawn on `device`. No tokenizer: the engine takes token ids."""
-    from safetensors.torch import save_file
-
-    config = {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **shape,
-        "hidden_act": "silu", "rms_norm_eps": 1e-6, "max_position_embeddings": 40960,
-        "rope_theta": 1000000.0, "rope_scaling": None, "tie_word_embeddings": True,
-        "attention_bias": False, "attention_dropout": 0.0, "use_cache": True,
-        "sliding_window": None, "use_sliding_window": False, "max_window_layers": shape["num_hidden_layers"],
-        "bos_token_id": min(151643, shape["vocab_size"] - 1), "eos_token_id": min(151645, shape["vocab_size"] - 1),
-        "dtype": str(dtype).removeprefix("torch."), "torch_dtype": str(dtype).removeprefix("torch."),
-    }  # fmt: skip
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-    gen = torch.Generator(device=device).manual_seed(0)
-    weights = {}
-    for name, dims in _parameter_shapes(shape).items():
-        if len(dims) == 1:
-            weights[name] = torch.ones(dims, dtype=dtype)
-        else:
-            std = 1.0 if "embed_tokens" in name else dims[1] ** -0.5
-            weights[name] = (torch.randn(dims, generator=gen, device=device) * std).to(dtype).cpu()
-    save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    return out_dir
-
-
-def _parameter_shapes(s: dict) -> dict[str, tuple[int, ...]]:
-    hidden, inter, hd = s["hidden_size"], s["intermediate_size"], s["head_dim"]
-    q_dim, kv_dim = s["num_attention_heads"] * hd, s["num_key_value_heads"] * hd
-    shapes = {"model.embed_tokens.weight": (s["vocab_size"], hidden), "model.norm.weight": (hidden,)}
-    for i in range(s["num_hidden_layers"]):
-        p = f"model.layers.{i}"
-        shapes |= {
-            f"{p}.input_layernorm.weight": (hidden,), f"{p}.post_attention_layernorm.weight": (hidden,),
-            f"{p}.self_attn.q_proj.weight": (q_dim, hidden), f"{p}.self_attn.k_proj.weight": (kv_dim, hidden),
-            f"{p}.self_attn.v_proj.weight": (kv_dim, hidden), f"{p}.self_attn.o_proj.weight": (hidden, q_dim),
-            f"{p}.self_attn.q_norm.weight": (hd,), f"{p}.self_attn.k_norm.weight": (hd,),
-            f"{p}.mlp.gate_proj.weight": (inter, hidden), f"{p}.mlp.up_proj.weight": (inter, hidden),
-            f"{p}.mlp.down_proj.weight": (hidden, inter),
-        }  # fmt: skip
-    return shapes
-
-
-def decode_tokens_per_s(engine, batch: int, prompt_tokens: int, new_tokens: int, tag: str) -> float:
-    """Greedy-decode `batch` random prompts; tokens/s from the step after every request's first
-    token (prefill done) until all finish."""
-    gen = torch.Generator().manual_seed(batch)
-    vocab_size = engine.model_config.vocab_size
-    for i in range(batch):
-        prompt = torch.randint(0, vocab_size, (prompt_tokens,), generator=gen).tolist()
-        policy = StopPolicy(max_tokens=new_tokens + 1, ignore_eos=True)
-        engine.add_request(EngineRequest(f"{tag}-{batch}-{i}", tuple(prompt), SamplingParams(temperature=0.0), policy))
-    started: set[str] = set()
-    while len(started) < batch:
-        started |= {o.request_id for o in engine.step()}
-    start, num_tokens = time.perf_counter(), 0
-    while engine.has_work():
-        num_tokens += sum(len(o.tokens) for o in engine.step())
-    return num_tokens / (time.perf_counter() - start)
-
-
-def _engine_rates(model_dir: Path, backend: str, workload: Workload) -> dict[int, float]:
-    config = EngineConfig(
-        block_size=16,
-        num_blocks=2048,
-        max_num_seqs=max(workload.batches),
-        max_num_batched_tokens=8192,
-        max_model_len=4096,
-    )
-    engine = load_engine(model_dir, config, attention_backend=backend, device=workload.device, dtype=workload.dtype)
-    decode_tokens_per_s(engine, *workload.warmup, f"warmup-{backend}")
-    rates = {
-        batch: decode_tokens_per_s(engine, batch, workload.prompt_tokens, workload.new_tokens, backend)
-        for batch in workload.batches
-    }
-    del engine
-    _empty_cache(workload.device)
-    return rates
-
-
-def _transformers_rates(model_dir: Path, workload: Workload) -> dict[int, float]:
-    """generate() decode tokens/s: (time for N tokens - time for 1) covers N - 1 decode steps."""
-    from transformers import Qwen3ForCausalLM
-
-    model = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=workload.dtype).to(workload.device).eval()
-    n = workload.new_tokens
-    with torch.inference_mode():
-        _generate_s(model, workload, 2, 4)  # warm-up
-        rates = {
-            b: b * (n - 1) / (_generate_s(model, workload, b, n) - _generate_s(model, workload, b, 1))
-            for b in workload.batches
-        }
-    del model
-    _empty_cache(workload.device)
-    return rates
-
-
-def _generate_s(model, workload: Workload, batch: int, new_tokens: int) -> float:
-    """Seconds for one greedy `generate` of exactly `new_tokens` tokens per random prompt."""
-    ids = torch.randint(0, model.config.vocab_size, (batch, workload.prompt_tokens), device=workload.device)
-    _sync(workload.device)
-    start = time.perf_counter()
-    model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-        do_sample=False, pad_token_id=0,
-    )  # fmt: skip
-    _sync(workload.device)
-    return time.perf_counter() - start
-
-
-def _sampling_cost_line(batch: int, vocab_size: int, device: str) -> str:
-    """Where an engine step's host time goes besides the model: logits to the CPU and sampling."""
-    from pegaserve.engine.sampler import SamplingRow, sample
-
-    logits = torch.randn(batch, vocab_size, device=device)
-    rows = [SamplingRow(SamplingParams(temperature=0.0), 0, frozenset())] * batch
-    _sync(device)
-    start = time.perf_counter()
-    cpu_logits = logits.cpu()
-    copied = time.perf_counter()
-    sample(cpu_logits, rows)
-    done = time.perf_counter()
-    return (
-        f"\nPer engine step at batch {batch}, outside the model: logits to the CPU {1e3 * (copied - start):.1f} ms, "
-        f"greedy `sample()` on the CPU {1e3 * (done - copied):.1f} ms."
-    )
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def _empty_cache(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.empty_cache()
-
-
 # ----------------------------------------------------------------------------------------- report
 
 
@@ -419,7 +217,8 @@ def dry_run() -> int:
     check.run("Kernel benchmarks, tiny shapes interpreted", lambda s: _tiny_kernel_benchmarks(check, s))
 
     check.run(
-        "Engine vs transformers, tiny random model on the CPU", lambda s: engine_throughput(s, DRY_WORKLOAD, TINY_SHAPE)
+        "Engine vs transformers, tiny random model on the CPU",
+        lambda s: s.lines.extend(engine_throughput(DRY_WORKLOAD, TINY_SHAPE)),
     )
     check.run("Table rendering", _render_sample_table, min_seconds=0)
     print(render(check))
@@ -474,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     check.run("Memory bandwidth", lambda s: bandwidth(check, s))
     check.run("Kernel microbenchmarks (bf16, Qwen3-0.6B attention: 16 heads, 8 kv heads, head_dim 128, blocks of 16)",
               lambda s: kernel_benchmarks(check, s), min_seconds=30)  # fmt: skip
-    check.run("Engine decode throughput", engine_throughput, min_seconds=90)
+    check.run("Engine decode throughput", lambda s: s.lines.extend(engine_throughput()), min_seconds=90)
     check.run("Decode kernel launch plans (batch 64 x 2k)", lambda s: decode_sweep(check, s), min_seconds=30)
     print(render(check))
     print(f"[gpu-check] wrote {args.out}")

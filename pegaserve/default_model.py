@@ -19,11 +19,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
-import os
 import math
+import os
 import shutil
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -76,43 +77,64 @@ def is_complete(model_dir: Path) -> bool:
     return all((model_dir / name).is_file() for name in MODEL_FILES)
 
 
+# --------------------------------------------------------------------------------------- shape
+
+
+@dataclass(frozen=True)
+class Qwen3Shape:
+    """The sizes of a Qwen3 checkpoint, under their config.json names (defaults: qwen3-tiny)."""
+
+    vocab_size: int = VOCAB_SIZE
+    hidden_size: int = HIDDEN_SIZE
+    intermediate_size: int = INTERMEDIATE_SIZE
+    num_hidden_layers: int = NUM_LAYERS
+    num_attention_heads: int = NUM_HEADS
+    num_key_value_heads: int = NUM_KV_HEADS
+    head_dim: int = HEAD_DIM
+    max_position_embeddings: int = MAX_POSITIONS
+
+
+DEFAULT_SHAPE = Qwen3Shape()
+
+
 # --------------------------------------------------------------------------------------- JSON
 
 
-def model_config() -> dict[str, Any]:
+def model_config(shape: Qwen3Shape = DEFAULT_SHAPE, dtype: str = "float32") -> dict[str, Any]:
     """config.json contents, in the shape of Qwen3-0.6B's, without a transformers version.
 
     Both the legacy ``rope_theta`` key (read by most engines) and transformers 5's
-    ``rope_parameters`` are written so every reader finds the same value.
+    ``rope_parameters`` are written so every reader finds the same value. A vocabulary too small
+    for Qwen's special ids (a benchmark's toy shape) gets its last id as BOS and EOS.
     """
     return {
         "architectures": ["Qwen3ForCausalLM"],
         "attention_bias": False,
         "attention_dropout": 0.0,
-        "bos_token_id": ENDOFTEXT_ID,
-        "dtype": "float32",
-        "eos_token_id": IM_END_ID,
-        "head_dim": HEAD_DIM,
+        "bos_token_id": min(ENDOFTEXT_ID, shape.vocab_size - 1),
+        "dtype": dtype,
+        "eos_token_id": min(IM_END_ID, shape.vocab_size - 1),
+        "head_dim": shape.head_dim,
         "hidden_act": "silu",
-        "hidden_size": HIDDEN_SIZE,
+        "hidden_size": shape.hidden_size,
         "initializer_range": 0.02,
-        "intermediate_size": INTERMEDIATE_SIZE,
-        "max_position_embeddings": MAX_POSITIONS,
-        "max_window_layers": NUM_LAYERS,
+        "intermediate_size": shape.intermediate_size,
+        "max_position_embeddings": shape.max_position_embeddings,
+        "max_window_layers": shape.num_hidden_layers,
         "model_type": "qwen3",
-        "num_attention_heads": NUM_HEADS,
-        "num_hidden_layers": NUM_LAYERS,
-        "num_key_value_heads": NUM_KV_HEADS,
+        "num_attention_heads": shape.num_attention_heads,
+        "num_hidden_layers": shape.num_hidden_layers,
+        "num_key_value_heads": shape.num_key_value_heads,
         "rms_norm_eps": RMS_NORM_EPS,
         "rope_parameters": {"rope_theta": ROPE_THETA, "rope_type": "default"},
         "rope_scaling": None,
         "rope_theta": ROPE_THETA,
         "sliding_window": None,
         "tie_word_embeddings": True,
-        "torch_dtype": "float32",
+        "torch_dtype": dtype,
         "use_cache": True,
         "use_sliding_window": False,
-        "vocab_size": VOCAB_SIZE,
+        "vocab_size": shape.vocab_size,
     }
 
 
@@ -128,56 +150,69 @@ def generation_config() -> dict[str, Any]:
 # --------------------------------------------------------------------------------------- weights
 
 
-def parameter_shapes() -> dict[str, tuple[int, ...]]:
+def parameter_shapes(shape: Qwen3Shape = DEFAULT_SHAPE) -> dict[str, tuple[int, ...]]:
     """Hugging Face Qwen3 parameter names and shapes; no lm_head since embeddings are tied."""
+    hidden, inter, head_dim = shape.hidden_size, shape.intermediate_size, shape.head_dim
+    q_dim, kv_dim = shape.num_attention_heads * head_dim, shape.num_key_value_heads * head_dim
     shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (VOCAB_SIZE, HIDDEN_SIZE),
-        "model.norm.weight": (HIDDEN_SIZE,),
+        "model.embed_tokens.weight": (shape.vocab_size, hidden),
+        "model.norm.weight": (hidden,),
     }
-    for i in range(NUM_LAYERS):
+    for i in range(shape.num_hidden_layers):
         p = f"model.layers.{i}"
         shapes.update(
             {
-                f"{p}.input_layernorm.weight": (HIDDEN_SIZE,),
-                f"{p}.post_attention_layernorm.weight": (HIDDEN_SIZE,),
-                f"{p}.self_attn.q_proj.weight": (NUM_HEADS * HEAD_DIM, HIDDEN_SIZE),
-                f"{p}.self_attn.k_proj.weight": (NUM_KV_HEADS * HEAD_DIM, HIDDEN_SIZE),
-                f"{p}.self_attn.v_proj.weight": (NUM_KV_HEADS * HEAD_DIM, HIDDEN_SIZE),
-                f"{p}.self_attn.o_proj.weight": (HIDDEN_SIZE, NUM_HEADS * HEAD_DIM),
-                f"{p}.self_attn.q_norm.weight": (HEAD_DIM,),
-                f"{p}.self_attn.k_norm.weight": (HEAD_DIM,),
-                f"{p}.mlp.gate_proj.weight": (INTERMEDIATE_SIZE, HIDDEN_SIZE),
-                f"{p}.mlp.up_proj.weight": (INTERMEDIATE_SIZE, HIDDEN_SIZE),
-                f"{p}.mlp.down_proj.weight": (HIDDEN_SIZE, INTERMEDIATE_SIZE),
+                f"{p}.input_layernorm.weight": (hidden,),
+                f"{p}.post_attention_layernorm.weight": (hidden,),
+                f"{p}.self_attn.q_proj.weight": (q_dim, hidden),
+                f"{p}.self_attn.k_proj.weight": (kv_dim, hidden),
+                f"{p}.self_attn.v_proj.weight": (kv_dim, hidden),
+                f"{p}.self_attn.o_proj.weight": (hidden, q_dim),
+                f"{p}.self_attn.q_norm.weight": (head_dim,),
+                f"{p}.self_attn.k_norm.weight": (head_dim,),
+                f"{p}.mlp.gate_proj.weight": (inter, hidden),
+                f"{p}.mlp.up_proj.weight": (inter, hidden),
+                f"{p}.mlp.down_proj.weight": (hidden, inter),
             }
         )
     return shapes
 
 
-def init_weights(seed: int = SEED) -> dict[str, Any]:
-    """Seeded fp32 init, drawn in sorted-name order: embeddings N(0, EMBED_STD), projections
-    N(0, PROJ_GAIN / sqrt(fan_in)), RMSNorm weights = 1.
+def init_weights(
+    seed: int = SEED, shape: Qwen3Shape = DEFAULT_SHAPE, dtype: str = "float32", device: str = "cpu"
+) -> dict[str, Any]:
+    """Seeded init, drawn in fp32 on `device` in sorted-name order, stored on the CPU as `dtype`:
+    embeddings N(0, EMBED_STD), projections N(0, PROJ_GAIN / sqrt(fan_in)), RMSNorm weights = 1.
 
-    One generator consumed in a fixed order makes the weights a pure function of the seed.
+    One generator consumed in a fixed order makes the weights a pure function of the seed (and,
+    off the CPU, of the device's generator).
     """
     import torch
 
-    generator = torch.Generator(device="cpu").manual_seed(seed)
+    generator = torch.Generator(device=device).manual_seed(seed)
     weights: dict[str, Any] = {}
-    for name, shape in sorted(parameter_shapes().items()):
-        if len(shape) == 1:
-            weights[name] = torch.ones(shape, dtype=torch.float32)
+    for name, dims in sorted(parameter_shapes(shape).items()):
+        if len(dims) == 1:
+            weights[name] = torch.ones(dims, dtype=getattr(torch, dtype))
         else:
-            std = EMBED_STD if "embed_tokens" in name else PROJ_GAIN / math.sqrt(shape[1])
-            weights[name] = torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
+            std = EMBED_STD if "embed_tokens" in name else PROJ_GAIN / math.sqrt(dims[1])
+            drawn = torch.empty(dims, dtype=torch.float32, device=device).normal_(0.0, std, generator=generator)
+            weights[name] = drawn.to(getattr(torch, dtype)).cpu()
     return weights
 
 
-def write_weights(out_dir: Path) -> None:
-    """Write model.safetensors (safetensors orders tensors itself, so bytes are stable)."""
+def write_random_checkpoint(
+    out_dir: Path, shape: Qwen3Shape = DEFAULT_SHAPE, *, seed: int = SEED, dtype: str = "float32", device: str = "cpu"
+) -> Path:
+    """A Hugging Face Qwen3 checkpoint in the existing directory `out_dir`: config.json and
+    model.safetensors with `init_weights`' seeded random weights. No tokenizer and no generation
+    config (an engine fed token ids needs neither); returns `out_dir`."""
     from safetensors.torch import save_file
 
-    save_file(init_weights(), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    write_json(out_dir / "config.json", model_config(shape, dtype))
+    # safetensors orders tensors itself, so the bytes are stable.
+    save_file(init_weights(seed, shape, dtype, device), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    return out_dir
 
 
 # --------------------------------------------------------------------------------------- build
@@ -185,10 +220,9 @@ def write_weights(out_dir: Path) -> None:
 
 def write_model_files(out_dir: Path) -> None:
     """Write every file of the model into an existing, empty directory."""
-    write_json(out_dir / "config.json", model_config())
+    write_random_checkpoint(out_dir)
     write_json(out_dir / "generation_config.json", generation_config())
     write_tokenizer(out_dir, MAX_POSITIONS)
-    write_weights(out_dir)
     for name in MODEL_FILES:
         # safetensors creates its file 0600; other users/workers on the host must read it too.
         (out_dir / name).chmod(0o644)
