@@ -1,9 +1,10 @@
 """Locust users that load pegaserve and check every answer against docs/CONTRACT.md (`make loadtest`).
 
 Each task sends one OpenAI request from the mix in `workload.py`, reads it whole (a stream to its
-`[DONE]`), runs `contract_checks` on it, and reads the request's ledger record (every request by
-default; `--ledger-every N` samples). Any broken rule is a Locust failure named by the rule, so a
-headless run exits non-zero. At the end the ledger summary must show no new invariant violations.
+`[DONE]`), checks it with `pegaserve.testing.contract`, and reads the request's ledger record
+(every request by default; `--ledger-every N` samples). Any broken rule is a Locust failure named
+by the rule, so a headless run exits non-zero. At the end the ledger summary must show no new
+invariant violations.
 
     locust -f loadtests/locustfile.py --headless --host http://127.0.0.1:8000 -u 16 -r 16 -t 60s
 
@@ -22,9 +23,18 @@ from urllib.parse import urlsplit
 import requests
 from locust import HttpUser, between, events, task
 
-from loadtests.answers import Answer, Malformed, Params, answer_from_body, answer_from_stream, shows_output
-from loadtests.contract_checks import check_answer, check_ledger, check_stream_framing, ledger_keys
 from loadtests.workload import GreedyMemory, Planned, plan_request
+from pegaserve.testing.contract import (
+    Answer,
+    Malformed,
+    Params,
+    answer_from_body,
+    answer_from_sse,
+    check_answer,
+    check_ledger,
+    ledger_keys,
+    shows_output,
+)
 
 log = logging.getLogger("loadtest")
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -147,13 +157,11 @@ class ContractUser(HttpUser):
             raise ContractViolation(f"no response: {response.error!r}")
         if response.status_code != 200:
             raise ContractViolation(f"HTTP {response.status_code}: {response.text[:300]}")
-        if not params.stream:
-            answer = answer_from_body(response.json(), planned.chat)
-            problems = check_answer(answer, params)
+        if params.stream:
+            answer = answer_from_sse(self.read_stream(response, planned.name, start), planned.chat)
         else:
-            lines = self.read_stream(response, planned.name, start)
-            answer = answer_from_stream(lines, planned.chat)
-            problems = check_stream_framing(lines, params) + check_answer(answer, params)
+            answer = answer_from_body(response.json(), planned.chat)
+        problems = check_answer(answer, params)  # a stream's framing too
         if problems:
             raise ContractViolation("; ".join(problems))
         return answer

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from loadtests.answers import Answer, Params
+from pegaserve.testing.contract import Answer, Params
 
 MODEL = "qwen3-tiny"
 MAX_TOKENS = 32  # keeps each request short on a 2-core CPU

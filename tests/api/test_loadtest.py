@@ -1,6 +1,6 @@
-"""The load test: its contract checks on hand-made answers (each check shown to catch a bad one),
-its request mix, and short real Locust runs against an in-process colocated server — one clean,
-one against a server that breaks the contract on purpose."""
+"""The load test: the contract checks of `pegaserve.testing.contract` on hand-made answers (each
+check shown to catch a bad one), its request mix, and short real Locust runs against an in-process
+colocated server — one clean, one against a server that breaks the contract on purpose."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loadtests import contract_checks as cc
-from loadtests.answers import Malformed, Params, answer_from_body, answer_from_stream
 from loadtests.workload import MAX_TOKENS, GreedyMemory, plan_request
 from pegaserve.api.protocol import ChatCompletionRequest, CompletionRequest
+from pegaserve.testing import contract as cc
+from pegaserve.testing.contract import Malformed, Params, answer_from_body, answer_from_sse
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -59,6 +59,10 @@ def chat_stream_lines(deltas=(" a", " b"), finish="stop", stop_reason="x", usage
 CHAT_STREAM = Params(chat=True, stream=True, include_usage=True, num_choices=1, max_tokens=4, stop=("x",))
 
 
+def framing_problems(lines: list[str], params: Params = CHAT_STREAM) -> list[str]:
+    return cc.check_framing(answer_from_sse(lines, chat=params.chat).framing, params)
+
+
 def problems_of(params: Params, **body_fields) -> list[str]:
     return cc.check_answer(answer_from_body(body(**body_fields), params.chat), params)
 
@@ -73,8 +77,8 @@ def record(request_id="cmpl-1", completion=4, prompt=3, finish="length", stop_re
 def test_good_answers_pass_every_check():
     assert problems_of(PARAMS) == []
     lines = chat_stream_lines()
-    assert cc.check_stream_framing(lines, CHAT_STREAM) == []
-    answer = answer_from_stream(lines, chat=True)
+    assert framing_problems(lines) == []
+    answer = answer_from_sse(lines, chat=True)
     assert answer.choices[0].text == " a b" and answer.choices[0].stop_reason == "x"
     assert cc.check_answer(answer, CHAT_STREAM) == []
     assert cc.check_ledger(answer_from_body(body(), False), [record()]) == []
@@ -94,7 +98,7 @@ def test_stream_and_body_fold_to_the_same_answer():
     ]
     plain = body(" a b", "stop", 9, (5, 9), (3, 2), {"tokens": [" a", " b"], "token_logprobs": [-0.5, -1.0],
                                                     "top_logprobs": [{" a": -0.5}, {" b": -1.0}]}, "c")
-    streamed = answer_from_stream(stream, chat=False)
+    streamed = answer_from_sse(stream, chat=False)
     assert dataclasses.replace(answer_from_body(plain, False), usage=None) == streamed
     assert streamed.choices[0].logprobs == (-0.5, -1.0) and streamed.choices[0].top_logprobs_sizes == (1, 1)
 
@@ -104,6 +108,32 @@ def test_a_finish_without_stop_reason_is_malformed():
     del bad["choices"][0]["stop_reason"]
     with pytest.raises(Malformed, match="stop_reason"):
         answer_from_body(bad, chat=False)
+
+
+def test_a_null_text_is_malformed():
+    chat = {"id": "c", "choices": [{"index": 0, "message": {"role": "assistant", "content": None},
+                                    "finish_reason": "stop", "stop_reason": None}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}
+    with pytest.raises(Malformed, match="not a string"):
+        answer_from_body(chat, chat=True)
+
+
+def test_the_openai_clients_dumps_read_like_the_wire():
+    """The openai types' `model_dump()` of a response and of a stream's chunks give the answer the
+    raw JSON gives; the chunks' framing is checked without the lines the client consumed."""
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletionChunk
+
+    raw = body(logprobs=_logprobs([-1.0] * 4))
+    dumped = Completion.model_validate({**raw, "created": 0, "model": "m"}).model_dump()
+    assert answer_from_body(dumped, False) == answer_from_body(raw, False)
+    chunks = [ChatCompletionChunk.model_validate({**json.loads(line[6:]), "created": 0, "model": "m"}).model_dump()
+              for line in GOOD[:-1]]
+    from_client = cc.answer_from_chunks(chunks, chat=True)
+    assert from_client == answer_from_sse(GOOD, chat=True) and from_client.framing.sse is None
+    assert cc.check_answer(from_client, CHAT_STREAM) == []
+    twice = cc.answer_from_chunks([*chunks[:-1], chunks[-2], chunks[-1]], chat=True)
+    assert any("2 finishing chunks" in p for p in cc.check_answer(twice, CHAT_STREAM))
 
 
 def _edit(lines: list[str], index: int, edit) -> list[str]:
@@ -128,13 +158,14 @@ FRAMING_BREAKS = {
     "error event": ([*GOOD[:2], 'data: {"error": {"message": "boom"}}', *GOOD[2:]], "error event"),
     "ids differ": (_edit(GOOD, 1, lambda c: c.update(id="other")), "different ids"),
     "not an SSE line": (["event: x", *GOOD], "not a `data: ` event"),
+    "no role first": (_edit(GOOD, 0, lambda c: c["choices"][0]["delta"].update(role=None)), "not 'assistant'"),
 }
 
 
 @pytest.mark.parametrize("name", FRAMING_BREAKS)
 def test_framing_check_catches(name):
     lines, expected = FRAMING_BREAKS[name]
-    problems = cc.check_stream_framing(lines, CHAT_STREAM)
+    problems = framing_problems(lines)
     assert any(expected in p for p in problems), problems
 
 
@@ -203,7 +234,7 @@ def test_usage_checks_catch_bad_sums():
     params = dataclasses.replace(PARAMS, num_choices=2)
     assert any("!= 8 tokens in the choices" in p for p in cc.check_answer(answer_from_body(two, False), params))
     streamed = dataclasses.replace(CHAT_STREAM, include_usage=True)
-    no_usage = answer_from_stream([*GOOD[:-2], GOOD[-1]], chat=True)
+    no_usage = answer_from_sse([*GOOD[:-2], GOOD[-1]], chat=True)
     assert any("no usage" in p for p in cc.check_usage(no_usage, streamed))
     assert cc.check_usage(no_usage, dataclasses.replace(streamed, include_usage=False)) == []
 
@@ -230,6 +261,7 @@ LEDGER_BREAKS = {
     "cause kind differs": ([record(kind="eos")], "ledger stop cause 'eos'"),
     "violations": ([record(violations=["trigger 5 is not the last committed token"])], "invariant violations"),
     "still in flight": ([record(status="in_flight")], "ledger status 'in_flight'"),
+    "no violations list": ([{k: v for k, v in record().items() if k != "violations"}], "invariant violations"),
 }
 
 
@@ -244,6 +276,69 @@ def test_ledger_keys_follow_the_engine_request_ids():
     one = answer_from_body(body(), False)
     two = answer_from_body({**body(), "choices": [body()["choices"][0], {**body()["choices"][0], "index": 1}]}, False)
     assert cc.ledger_keys(one) == ["cmpl-1"] and cc.ledger_keys(two) == ["cmpl-1-0", "cmpl-1-1"]
+
+
+# ---------------------------------------------------------------- a known outcome, and rule 15
+
+EXPECTED = cc.Expected(" a b", "length", None, 4, last_token_id=8, rules=(2, 19))
+
+
+def test_the_expected_outcome_passes():
+    assert cc.check_answer(answer_from_body(body(), False), PARAMS, EXPECTED) == []
+    assert cc.check_answer(answer_from_body(body(logprobs=_logprobs([-1.0] * 4)), False), WITH_LOGPROBS,
+                           EXPECTED) == []
+    streamed = answer_from_sse(chat_stream_lines(usage=(3, 4)), chat=True)
+    assert cc.check_expected(streamed, cc.Expected(" a b", "stop", "x", 4)) == []
+
+
+# body fields -> what the problem says
+EXPECTED_BREAKS = {
+    "text": ({"text": " a"}, "rules 2, 19: text ' a', expected ' a b'"),
+    "finish_reason": ({"finish": "stop"}, "finish_reason 'stop', expected 'length'"),
+    "stop_reason": ({"stop_reason": 8}, "stop_reason 8, expected None"),
+    "completion_tokens": ({"usage": (3, 3)}, "rule 19: usage completion_tokens 3, expected 4"),
+    "token id count": ({"token_ids": (5, 6, 8)}, "rule 19: 3 token ids, expected 4"),
+    "last token id": ({"token_ids": (5, 6, 7, 9)}, "last token id 9, expected 8"),
+    "logprob count": ({"logprobs": _logprobs([-1.0] * 3)}, "rule 7: 3 logprobs, expected 4"),
+    "logprob not negative": ({"logprobs": _logprobs([-1.0, 0.0, -1.0, -1.0])}, "are not all < 0"),
+}
+
+
+@pytest.mark.parametrize("name", EXPECTED_BREAKS)
+def test_expected_check_catches(name):
+    fields, expected = EXPECTED_BREAKS[name]
+    answer = answer_from_body(body(**fields), False)
+    for problems in (cc.check_expected(answer, EXPECTED), cc.check_answer(answer, PARAMS, EXPECTED)):
+        assert any(expected in p for p in problems), problems
+
+
+def test_expected_check_catches_split_characters_and_extra_choices():
+    split = answer_from_sse(chat_stream_lines(deltas=(" a", " \ufffd")), chat=True)
+    assert any("rule 14: chunk 2 splits a character" in p
+               for p in cc.check_expected(split, cc.Expected(" a b", "stop", "x", 3)))
+    shown = cc.check_expected(split, cc.Expected(" a \ufffd", "stop", "x", 3))  # the text really holds one
+    assert shown == []
+    two = answer_from_body({**body(), "choices": [body()["choices"][0], {**body()["choices"][0], "index": 1}]}, False)
+    assert cc.check_expected(two, EXPECTED) == ["rules 2, 19: 2 choices, expected 1"]
+
+
+# body fields of the streamed answer -> what the problem says
+STREAMING_BREAKS = {
+    "text": ({"text": " a c"}, "rule 15: choice 0's text streamed ' a c', not streamed ' a b'"),
+    "finish": ({"finish": "stop", "stop_reason": 8}, "choice 0's stop_reason streamed 8"),
+    "token ids": ({"token_ids": (5, 6, 7, 9)}, "choice 0's token_ids streamed (5, 6, 7, 9)"),
+    "logprobs": ({"logprobs": _logprobs([-1.0] * 4)}, "choice 0's logprobs streamed"),
+    "usage": ({"usage": (4, 4)}, "rule 15: usage streamed"),
+}
+
+
+@pytest.mark.parametrize("name", STREAMING_BREAKS)
+def test_streaming_equality_check_catches(name):
+    fields, expected = STREAMING_BREAKS[name]
+    plain = answer_from_body(body(), False)
+    assert cc.check_streaming_equals(plain, answer_from_body(body(request_id="other"), False)) == []
+    problems = cc.check_streaming_equals(plain, answer_from_body(body(**fields), False))
+    assert any(expected in p for p in problems), problems
 
 
 # ---------------------------------------------------------------- the request mix
