@@ -2,9 +2,11 @@
 
     python -m loadtests.soak --url http://127.0.0.1:8000 --concurrency 32 --minutes 10
 
-Passes when no request failed, the ledger counts no invariant violation, every sampled answer
-agrees with its ledger record, and no Serve replica's memory grew by 10% or more between the end
-of the warm-up and the end of the run. Only talks to 127.0.0.1; every loop is bounded in time.
+Passes when no request failed (every answer is checked against docs/CONTRACT.md with
+`pegaserve.testing.contract`, as the load test does), the ledger counts no invariant violation,
+every sampled answer agrees with its ledger record, and no Serve replica's memory grew by 10% or
+more between the end of the warm-up and the end of the run. Only talks to 127.0.0.1; every loop is
+bounded in time.
 """
 
 from __future__ import annotations
@@ -21,9 +23,20 @@ from urllib.parse import urlparse
 import httpx
 import psutil
 
+from pegaserve.testing.contract import (
+    Answer,
+    Params,
+    answer_from_body,
+    answer_from_sse,
+    check_answer,
+    check_ledger,
+    ledger_keys,
+)
+
 PROMPTS = ["Hello world", "The quick brown fox", "Once upon a time in a land far away", "1, 2, 3, 4,",
            "Write a haiku about the sea", "def fibonacci(n):", "Q: What is Ray Serve?\nA:"]
 MAX_REQUEST_S = 120
+CHAT_PATH = "/v1/chat/completions"
 
 
 @dataclass
@@ -50,56 +63,61 @@ def mixed_body(rng: random.Random) -> tuple[str, dict]:
         body["stream_options"] = {"include_usage": True}
     if chat:
         body["messages"] = [{"role": "user", "content": rng.choice(PROMPTS)}]
-        return "/v1/chat/completions", body
+        return CHAT_PATH, body
     body["prompt"] = rng.choice(PROMPTS)
     if rng.random() < 0.3:
         body["logprobs"] = 2
     return "/v1/completions", body
 
 
-async def one(client: httpx.AsyncClient, path: str, body: dict) -> tuple[str, dict, str | None]:
-    """(request id, usage, finish_reason) — raises on any transport or HTTP failure."""
-    if not body["stream"]:
+class ContractBroken(Exception):
+    """An answer broke the contract; the message lists what broke."""
+
+
+async def one(client: httpx.AsyncClient, path: str, body: dict) -> Answer:
+    """The answer, read whole (a stream to its `[DONE]`) and checked against docs/CONTRACT.md —
+    raises on any transport or HTTP failure and on any broken rule."""
+    chat = path == CHAT_PATH
+    if body["stream"]:
+        async with client.stream("POST", path, json=body) as response:
+            response.raise_for_status()
+            lines = [line async for line in response.aiter_lines() if line]
+        answer = answer_from_sse(lines, chat)
+    else:
         response = await client.post(path, json=body)
         response.raise_for_status()
-        data = response.json()
-        return data["id"], data["usage"], data["choices"][0]["finish_reason"]
-    request_id, usage, finish, finishing_chunks = None, None, None, 0
-    async with client.stream("POST", path, json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(f"error event: {chunk['error']['message']}")
-            request_id = chunk["id"]
-            usage = chunk.get("usage") or usage
-            for choice in chunk["choices"]:
-                if choice["finish_reason"] is not None:
-                    finish, finishing_chunks = choice["finish_reason"], finishing_chunks + 1
-    if finishing_chunks != 1:
-        raise RuntimeError(f"{finishing_chunks} finishing chunks")
-    return request_id, usage, finish
+        answer = answer_from_body(response.json(), chat)
+    _raise_on(check_answer(answer, Params.from_body(body, chat)))
+    return answer
+
+
+async def check_against_ledger(client: httpx.AsyncClient, answer: Answer) -> None:
+    """Rule 20: the ledger records of the answer's choices agree with it."""
+    records = []
+    for key in ledger_keys(answer):
+        response = await client.get(f"/admin/ledger/{key}")
+        records.append(response.json() if response.status_code == 200 else None)
+    _raise_on(check_ledger(answer, records))
+
+
+def _raise_on(problems: list[str]) -> None:
+    if problems:
+        raise ContractBroken("; ".join(problems))
 
 
 async def worker(client: httpx.AsyncClient, deadline: float, rng: random.Random, tally: Tally) -> None:
     while time.monotonic() < deadline:
         path, body = mixed_body(rng)
         try:
-            request_id, usage, finish = await asyncio.wait_for(one(client, path, body), MAX_REQUEST_S)
-            if usage["completion_tokens"] > body["max_tokens"]:
-                raise RuntimeError(f"completion_tokens {usage['completion_tokens']} > max_tokens")
+            answer = await asyncio.wait_for(one(client, path, body), MAX_REQUEST_S)
             if rng.random() < 0.2:
-                record = (await client.get(f"/admin/ledger/{request_id}")).json()
-                if record["completion_tokens"] != usage["completion_tokens"] or record["violations"]:
-                    raise RuntimeError(f"ledger disagrees for {request_id}: {record}")
+                await check_against_ledger(client, answer)
                 tally.checked_against_ledger += 1
         except Exception as exc:  # every failure is counted and reported, none stops the soak
             tally.fail(f"{path} {type(exc).__name__}: {exc}")
             continue
         tally.ok += 1
-        tally.completion_tokens += usage["completion_tokens"]
+        tally.completion_tokens += answer.usage.completion_tokens  # checked: every soak answer has usage
 
 
 def replica_memory() -> dict[int, tuple[str, int]]:
