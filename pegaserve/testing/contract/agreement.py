@@ -28,12 +28,13 @@ class Expected:
 def check_expected(answer: Answer, expected: Expected) -> list[str]:
     """The exact outcome of a one-choice request; on a stream, also that no chunk splits a
     character (rule 14) when the expected text has no replacement character of its own."""
-    lead = f"rules {', '.join(map(str, expected.rules))}" if expected.rules else "expected"
+    lead = _lead(expected.rules)
     if len(answer.choices) != 1:
         return [f"{lead}: {len(answer.choices)} choices, expected 1"]
     (choice,) = answer.choices
     problems = [f"{lead}: {name} {getattr(choice, name)!r}, expected {getattr(expected, name)!r}"
-                for name in ("text", "finish_reason", "stop_reason") if getattr(choice, name) != getattr(expected, name)]
+                for name in ("text", "finish_reason", "stop_reason")
+                if getattr(choice, name) != getattr(expected, name)]
     if answer.usage is None or answer.usage.completion_tokens != expected.completion_tokens:
         got = None if answer.usage is None else answer.usage.completion_tokens
         problems.append(f"rule 19: usage completion_tokens {got}, expected {expected.completion_tokens}")
@@ -43,6 +44,12 @@ def check_expected(answer: Answer, expected: Expected) -> list[str]:
                      for j, chunk in enumerate(answer.framing.chunks) for d in chunk.deltas
                      if REPLACEMENT_CHAR in d.text]
     return problems
+
+
+def _lead(rules: tuple[int, ...]) -> str:
+    if not rules:
+        return "expected"
+    return f"{'rules' if len(rules) > 1 else 'rule'} {', '.join(map(str, rules))}"
 
 
 def _token_problems(choice: Choice, expected: Expected, lead: str) -> list[str]:
@@ -66,7 +73,7 @@ def check_streaming_equals(plain: Answer, streamed: Answer) -> list[str]:
         return [f"rule 15: {len(streamed.choices)} streamed choices, {len(plain.choices)} not streamed"]
     problems = [f"rule 15: choice {a.index}'s {f.name} streamed {getattr(b, f.name)!r}, "
                 f"not streamed {getattr(a, f.name)!r}"
-                for a, b in zip(plain.choices, streamed.choices) for f in fields(Choice)
+                for a, b in zip(plain.choices, streamed.choices, strict=True) for f in fields(Choice)
                 if getattr(a, f.name) != getattr(b, f.name)]
     if plain.usage != streamed.usage:
         problems.append(f"rule 15: usage streamed {streamed.usage}, not streamed {plain.usage}")

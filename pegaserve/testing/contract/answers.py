@@ -93,7 +93,7 @@ class Usage:
 class Delta:
     """One choice's part of one stream chunk, as sent."""
 
-    index: int | None
+    index: int
     text: str
     finish_reason: str | None
     stop_reason: int | str | None
@@ -220,9 +220,9 @@ def _error_message(error: object) -> str:
 
 def _chunk(chunk: dict, chat: bool) -> Chunk:
     deltas = tuple(
-        Delta(c.get("index"), _piece(c, chat), c.get("finish_reason"), c.get("stop_reason"),
+        Delta(c["index"], _piece(c, chat), c.get("finish_reason"), c.get("stop_reason"),
               (c.get("delta") or {}).get("role") if chat else None)
-        for c in chunk.get("choices") or ()
+        for c in chunk["choices"]
     )
     return Chunk(chunk.get("id"), deltas, bool(chunk.get("usage")))
 

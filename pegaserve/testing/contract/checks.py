@@ -41,7 +41,7 @@ def check_framing(framing: Framing, params: Params) -> list[str]:
     problems += [f"error event in the stream: {message}" for message in framing.errors]
     if len({c.id for c in framing.chunks}) > 1:
         problems.append("the stream's chunks carry different ids")
-    finishes: Counter[int | None] = Counter()
+    finishes: Counter[int] = Counter()
     for chunk in framing.chunks:
         for d in chunk.deltas:
             if d.finish_reason is not None:
@@ -89,7 +89,7 @@ def _usage_chunk_problems(framing: Framing, params: Params) -> list[str]:
 def _role_problems(framing: Framing, params: Params) -> list[str]:
     if not params.chat:
         return []
-    firsts: dict[int | None, str | None] = {}
+    firsts: dict[int, str | None] = {}
     for chunk in framing.chunks:
         for d in chunk.deltas:
             firsts.setdefault(d.index, d.role)
