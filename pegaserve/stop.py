@@ -102,6 +102,7 @@ class StopPolicy:
     """Token-level stop rules for one request. Built once by the ingress; engines only read it.
 
     `eos_token_ids` are the model's EOS ids (tokenizer EOS ∪ generation_config eos_token_id).
+    `max_tokens=0` generates nothing: the prompt is only scored (completions with `echo`).
     """
 
     max_tokens: int
@@ -111,7 +112,7 @@ class StopPolicy:
     min_tokens: int = 0
 
     def __post_init__(self) -> None:
-        assert self.max_tokens >= 1, "validated at the API edge"
+        assert self.max_tokens >= 0, "validated at the API edge"
         assert 0 <= self.min_tokens <= self.max_tokens, "validated at the API edge"
 
     def classify(self, token_id: int, num_tokens: int) -> StopCause | None:

@@ -1,8 +1,11 @@
-"""Run an `Engine` on its own thread and talk to it from asyncio.
+"""The asyncio face of an engine loop that runs off the caller's thread: on a thread of this
+process (`ThreadTransport`: tests, the standalone server) or in a process of its own
+(`pegaserve.engine.core_process.ProcessTransport`: Serve replicas, so the engine's Python never
+waits for the replica's GIL).
 
-The engine is not thread-safe: only the engine thread touches it. Callers send it commands
-(callables run between steps) and receive each request's `StepOutput`s on an asyncio queue —
-one message per engine step, never one call per token.
+Each step's outputs arrive as one batch. Outputs of requests someone streams (`generate`,
+`prefill`) go to their streams; the rest go to `on_step`, a replica-level router that forwards a
+whole step at once. Replies are settled on the event loop, and only if their caller still waits.
 """
 
 from __future__ import annotations
@@ -11,145 +14,271 @@ import asyncio
 import logging
 import queue
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import Future
-from typing import TypeVar
 
-from pegaserve.engine.engine import Engine
+import torch
+
+from pegaserve.engine import core
+from pegaserve.engine.core import Command, EngineCore, Health, run_loop
+from pegaserve.engine.engine import Engine, EngineStats
 from pegaserve.engine.request import EngineRequest, Handoff, StepOutput
+from pegaserve.engine.scheduler import ReceiveTarget
 from pegaserve.stop import Error
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
+StepSink = Callable[[list[StepOutput]], None]
+
+
+class EngineDead(RuntimeError):
+    """The engine loop is gone (its process exited); the replica must be replaced."""
+
+
+class Transport(ABC):
+    """Carries commands to an engine loop and its replies and outputs back to the event loop."""
+
+    @abstractmethod
+    def start(self, loop: asyncio.AbstractEventLoop, settle, publish: StepSink,
+              dead: Callable[[BaseException], None]) -> None:
+        """Begin delivering: `settle(key, result, error)` answers a call, `publish(outputs)` a step's
+        outputs, `dead(error)` says the loop is gone for good (all on `loop`'s thread)."""
+
+    @abstractmethod
+    def send(self, key: int | None, command: Command) -> None: ...
+
+    @abstractmethod
+    def health(self) -> Health: ...
+
+    @property
+    @abstractmethod
+    def kv_cache(self) -> torch.Tensor: ...
+
+    @abstractmethod
+    def shutdown(self) -> None: ...
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self._commands: queue.SimpleQueue[tuple[Callable[[Engine], object], Future]] = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[StepOutput]]] = {}
-        self._wake = threading.Event()
-        self._stopped = False
-        self._thread = threading.Thread(target=self._loop, name="pegaserve-engine", daemon=True)
-        self._thread.start()
+    def __init__(self, transport: Transport, on_step: StepSink | None = None) -> None:
+        self.transport = transport
+        self.on_step = on_step
+        self._calls: dict[int, asyncio.Future] = {}
+        self._next_key = 0
+        self._streams: dict[str, asyncio.Queue[StepOutput]] = {}  # choice id -> its request's stream
+        self._started = False
 
-    # --- the engine thread -----------------------------------------------------------------------
+    @classmethod
+    def in_thread(cls, engine: Engine, on_step: StepSink | None = None) -> "AsyncEngine":
+        return cls(ThreadTransport(engine), on_step)
 
-    def _loop(self) -> None:
-        while not self._stopped:
-            self._run_commands()
-            if not self.engine.has_work():
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
-                continue
-            try:
-                outputs = self.engine.step()
-            except Exception as exc:  # a failed step fails its requests, never the server
-                log.exception("engine step failed")
-                outputs = self._fail_all(exc)
-            for output in outputs:
-                self._deliver(output)
+    def _ensure_started(self) -> None:
+        if not self._started:
+            self._started = True
+            self.transport.start(asyncio.get_running_loop(), self._settle, self._publish, self.fail_everything)
 
-    def _run_commands(self) -> None:
-        while True:
-            try:
-                command, future = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                future.set_result(command(self.engine))
-            except Exception as exc:
-                future.set_exception(exc)
+    # --- commands --------------------------------------------------------------------------------
 
-    def _fail_all(self, exc: Exception) -> list[StepOutput]:
-        request_ids = list(self.engine.requests)
-        for request_id in request_ids:
-            self.engine.abort(request_id)
-        return [StepOutput(request_id, (), Error(f"engine step failed: {exc}")) for request_id in request_ids]
+    async def call(self, command: Command):
+        """Run `command` on the engine between two steps and return its answer."""
+        self._ensure_started()
+        key = self._next_key = self._next_key + 1
+        future = asyncio.get_running_loop().create_future()
+        self._calls[key] = future
+        try:
+            self.transport.send(key, command)
+            return await future
+        finally:
+            self._calls.pop(key, None)
 
-    def _deliver(self, output: StepOutput) -> None:
-        stream = self._streams.get(output.request_id)
-        if stream is not None:
-            loop, outputs = stream
-            loop.call_soon_threadsafe(outputs.put_nowait, output)
+    def send(self, command: Command) -> None:
+        """Fire and forget (an abort from a `finally` that must not await)."""
+        self._ensure_started()
+        self.transport.send(None, command)
 
-    # --- the asyncio side ------------------------------------------------------------------------
+    def _settle(self, key: int, result, error: BaseException | None) -> None:
+        future = self._calls.pop(key, None)
+        if future is None or future.done():  # the caller gave up: nothing to answer
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
 
-    async def call(self, command: Callable[[Engine], T]) -> T:
-        """Run `command(engine)` on the engine thread between two steps."""
-        future: Future = Future()
-        self._commands.put((command, future))
-        self._wake.set()
-        return await asyncio.wrap_future(future)
+    def _publish(self, outputs: list[StepOutput]) -> None:
+        unclaimed = []
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is not None:
+                stream.put_nowait(output)
+            else:
+                unclaimed.append(output)
+        if unclaimed and self.on_step is not None:
+            self.on_step(unclaimed)
 
-    def call_soon(self, command: Callable[[Engine], object]) -> None:
-        """Fire and forget (e.g. an abort from a `finally` that must not await)."""
-        self._commands.put((command, Future()))
-        self._wake.set()
+    def fail_everything(self, error: BaseException) -> None:
+        """The loop is gone: every waiting call fails and every stream ends with an error."""
+        for future in list(self._calls.values()):
+            if not future.done():
+                future.set_exception(error)
+        self._calls.clear()
+        outputs = [StepOutput(choice_id, (), Error(str(error))) for choice_id in list(self._streams)]
+        self._publish(outputs)
+
+    # --- requests --------------------------------------------------------------------------------
 
     async def generate(self, spec: EngineRequest) -> AsyncIterator[StepOutput]:
-        """The request's outputs until it finishes; closing the iterator early aborts it."""
-        outputs = await self._admit(spec.request_id, lambda engine: engine.add_request(spec))
-        async for output in self._drain(spec.request_id, outputs):
+        """The outputs of every choice of `spec` until all have finished (interleaved); closing the
+        iterator early aborts whatever is still running."""
+        choice_ids = [spec.choice_id(i) for i in range(spec.n)]
+        outputs = await self._admit(choice_ids, core.AddRequest(spec))
+        async for output in self._drain(spec.request_id, choice_ids, outputs):
             yield output
 
-    async def prefill(self, spec: EngineRequest) -> StepOutput:
-        """Prefill role: the first token. Unless it is terminal, the request stays parked with its
-        blocks until `release` (the caller owns that lease from here)."""
-        outputs = await self._admit(spec.request_id, lambda engine: engine.add_request(spec))
+    async def prefill(self, spec: EngineRequest) -> list[StepOutput]:
+        """Prefill role: each choice's first output. The non-terminal choices stay parked with the
+        prompt's blocks until `release` (the caller owns that lease from here)."""
+        choice_ids = [spec.choice_id(i) for i in range(spec.n)]
+        outputs = await self._admit(choice_ids, core.AddRequest(spec))
+        first: dict[str, StepOutput] = {}
         try:
-            return await outputs.get()
+            while len(first) < len(choice_ids):
+                output = await outputs.get()
+                first.setdefault(output.request_id, output)
         except BaseException:
             self.abort(spec.request_id)
             raise
         finally:
-            self._streams.pop(spec.request_id, None)
+            for choice_id in choice_ids:
+                self._streams.pop(choice_id, None)
+        return [first[c] for c in choice_ids]
 
-    async def continue_handoff(self, handoff: Handoff) -> tuple[bool, AsyncIterator[StepOutput]]:
-        """Decode role: admit a prefilled request. Returns whether its KV was imported (False: it
-        recomputes the prompt) and its outputs after the first token."""
-        request_id = handoff.request.request_id
+    async def add_handoff(self, handoff: Handoff) -> tuple[bool, AsyncIterator[StepOutput]]:
+        """Decode role, packed KV in hand: whether it was imported (False: the prompt is
+        recomputed) and the outputs of its choices after their first tokens."""
+        choice_ids = handoff.choice_ids
         imported: list[bool] = []
-        outputs = await self._admit(request_id, lambda engine: imported.append(engine.add_handoff(handoff)))
-        return imported[0], self._drain(request_id, outputs)
+        outputs = await self._admit(choice_ids, core.AddHandoff(handoff), imported.append)
+        return imported[0], self._drain(handoff.request.request_id, choice_ids, outputs)
 
-    async def _admit(self, request_id: str, admit: Callable[[Engine], object]) -> asyncio.Queue[StepOutput]:
+    async def _admit(self, choice_ids: list[str], command: Command, on_answer=None) -> asyncio.Queue[StepOutput]:
         outputs: asyncio.Queue[StepOutput] = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), outputs)
+        for choice_id in choice_ids:
+            self._streams[choice_id] = outputs
         try:
-            await self.call(admit)
+            answer = await self.call(command)
         except BaseException:
-            self._streams.pop(request_id, None)
+            for choice_id in choice_ids:
+                self._streams.pop(choice_id, None)
             raise
+        if on_answer is not None:
+            on_answer(answer)
         return outputs
 
-    async def _drain(self, request_id: str, outputs: asyncio.Queue[StepOutput]) -> AsyncIterator[StepOutput]:
-        finished = False
+    async def _drain(self, request_id: str, choice_ids: list[str], outputs: asyncio.Queue[StepOutput]):
+        pending = set(choice_ids)
         try:
-            while not finished:
+            while pending:
                 output = await outputs.get()
-                while output.finish is None and not outputs.empty():
-                    output = output.then(outputs.get_nowait())  # coalesce what piled up meanwhile
-                finished = output.finish is not None
+                if output.finish is None:  # coalesce what piled up meanwhile (a slow consumer)
+                    while not outputs.empty() and outputs._queue[0].request_id == output.request_id:  # noqa: SLF001
+                        later = outputs.get_nowait()
+                        output = output.then(later)
+                        if later.finish is not None:
+                            break
+                if output.finish is not None:
+                    pending.discard(output.request_id)
                 yield output
         finally:
-            self._streams.pop(request_id, None)
-            if not finished:
+            for choice_id in choice_ids:
+                self._streams.pop(choice_id, None)
+            if pending:
                 self.abort(request_id)
 
+    async def receive(self, handoff: Handoff) -> ReceiveTarget | None:
+        return await self.call(core.Receive(handoff))
+
+    async def received(self, request_id: str, ok: bool) -> None:
+        await self.call(core.Received(request_id, ok))
+
+    async def parked_blocks(self, request_id: str) -> tuple[int, ...]:
+        return await self.call(core.ParkedBlocks(request_id))
+
+    async def stats(self) -> EngineStats:
+        return await self.call(core.GetStats())
+
     def abort(self, request_id: str) -> None:
-        self.call_soon(lambda engine: engine.abort(request_id))
+        self.send(core.AbortRequest(request_id))
+
+    def release(self, request_id: str) -> None:
+        self.send(core.ReleaseRequest(request_id))
+
+    def health(self) -> Health:
+        return self.transport.health()
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        return self.transport.kv_cache
+
+    def shutdown(self) -> None:
+        self.transport.shutdown()
+
+
+class ThreadTransport(Transport):
+    """The engine loop on a daemon thread of this process."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.core = EngineCore(engine)
+        self._commands: queue.SimpleQueue[tuple[int | None, Command]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+
+    def start(self, loop, settle, publish, dead) -> None:
+        def answer(key, result, error) -> None:
+            if key is not None:
+                loop.call_soon_threadsafe(settle, key, result, error)
+
+        def ship(outputs) -> None:
+            loop.call_soon_threadsafe(publish, outputs)
+
+        self._thread = threading.Thread(
+            target=run_loop, args=(self.core, self._next_commands, answer, ship, lambda: self._stopped),
+            name="pegaserve-engine", daemon=True,
+        )  # fmt: skip
+        self._thread.start()
+
+    def _next_commands(self, block: bool) -> list[tuple[int | None, Command]]:
+        if block and self._commands.empty():
+            self._wake.wait(timeout=0.5)
+        self._wake.clear()
+        commands = []
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def send(self, key: int | None, command: Command) -> None:
+        self._commands.put((key, command))
+        self._wake.set()
+
+    def health(self) -> Health:
+        alive = self._thread is None or self._thread.is_alive()
+        return self.core.health(alive)
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        return self.core.engine.runner.kv_cache
 
     def shutdown(self) -> None:
         self._stopped = True
         self._wake.set()
-        self._thread.join(timeout=5)
-
+        if self._thread is not None:
+            self._thread.join(timeout=5)
 
 
 async def in_chunks(outputs: AsyncIterator[StepOutput], num_tokens: int) -> AsyncIterator[StepOutput]:
-    """Re-cut a request's outputs into messages of at least `num_tokens` tokens (the last may be
-    shorter): vLLM's stream interval, trading streaming granularity for fewer messages per token."""
+    """Re-cut one choice's outputs into messages of at least `num_tokens` tokens (the last may be
+    shorter): vLLM's stream interval, trading streaming granularity for fewer messages."""
     pending: StepOutput | None = None
     async for output in outputs:
         pending = output if pending is None else pending.then(output)

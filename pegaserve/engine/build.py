@@ -1,8 +1,7 @@
-"""Assemble an engine from a model directory (or a script, for tests)."""
+"""Assemble an engine from a model directory."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -11,7 +10,6 @@ from pegaserve.engine.attention import make_backend
 from pegaserve.engine.engine import Engine, EngineConfig
 from pegaserve.engine.loader import load_model
 from pegaserve.engine.model_config import ModelConfig
-from pegaserve.engine.scripted import ScriptedModel
 
 
 def load_engine(
@@ -20,17 +18,11 @@ def load_engine(
     attention_backend: str = "auto",
     device: str = "cpu",
     dtype: torch.dtype | None = None,
+    kv_cache: torch.Tensor | None = None,
 ) -> Engine:
     """`dtype=None` serves the checkpoint's dtype on CUDA and float32 on CPU."""
     if dtype is None and device == "cpu":
         dtype = torch.float32
     cfg = ModelConfig.from_dir(model_dir, dtype=dtype)
     model = load_model(cfg, make_backend(attention_backend), device)
-    return Engine(model, config, device)
-
-
-def scripted_engine(
-    model_dir: str | Path, script: Mapping[Sequence[int], Sequence[int]], config: EngineConfig = EngineConfig()
-) -> Engine:
-    """An engine whose model follows `script` (see `ScriptedModel`), with the real tokenizer's vocab."""
-    return Engine(ScriptedModel(ModelConfig.from_dir(model_dir), script), config)
+    return Engine(model, config, device, kv_cache)

@@ -1,40 +1,29 @@
-"""The engine: `step()` schedules, runs the model, classifies the new tokens and returns them.
+"""The engine: `step()` schedules, runs the model, and hands the sampled tokens back to the
+scheduler, which classifies them and returns each choice's output.
 
 One engine class serves three roles. `both` (colocated) prefills and decodes; `prefill` samples
 and classifies the first token, then parks the request's blocks for export (or finishes it there
-when that token is terminal, docs/CONTRACT.md rule 21); `decode` imports a prompt's blocks with the
+when that token is terminal, docs/CONTRACT.md rule 21); `decode` takes a prompt's blocks with the
 first token (rule 22) and continues after it — or recomputes the prompt when no KV came.
 """
 
 from __future__ import annotations
 
-import enum
+import time
 from dataclasses import dataclass
 
 import torch
 
 from pegaserve.engine.block_pool import BlockPool
-from pegaserve.engine.request import EngineRequest, Handoff, Request, StepOutput, Status
+from pegaserve.engine.config import EngineConfig, Role, SpeculativeConfig
+from pegaserve.engine.kv_manager import KvCacheManager
+from pegaserve.engine.request import EngineRequest, Handoff, RequestState, StepOutput
 from pegaserve.engine.runner import ModelRunner
-from pegaserve.engine.scheduler import Scheduler
-from pegaserve.stop import Abort, StopCause
+from pegaserve.engine.scheduler import ReceiveTarget, Scheduler
+from pegaserve.engine.spec import make_proposer
 
-
-class Role(str, enum.Enum):
-    PREFILL = "prefill"
-    DECODE = "decode"
-    BOTH = "both"
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    role: Role = Role.BOTH
-    block_size: int = 16
-    num_blocks: int = 2048
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 8192
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    max_queued_requests: int = 1024  # waiting requests past this are refused (EngineOverloaded)
+__all__ = ["Engine", "EngineConfig", "EngineOverloaded", "EngineStats", "RequestRejected", "Role",
+           "SpeculativeConfig"]
 
 
 class RequestRejected(ValueError):
@@ -50,63 +39,78 @@ class EngineStats:
     num_waiting: int
     num_running: int
     num_parked: int
+    num_receiving: int
     num_blocks: int
     num_free_blocks: int
+    num_cached_blocks: int
     num_preemptions: int
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_spec_steps: int
+    num_spec_emitted_tokens: int
 
 
 class Engine:
-    def __init__(self, model, config: EngineConfig = EngineConfig(), device: str = "cpu") -> None:
+    def __init__(self, model, config: EngineConfig = EngineConfig(), device: str = "cpu",
+                 kv_cache: torch.Tensor | None = None) -> None:
         self.config = config
         self.model_config = model.config
-        self.max_model_len = min(config.max_model_len or 10**9, model.config.max_position_embeddings)
-        if config.max_num_batched_tokens < self.max_model_len:
-            raise ValueError("max_num_batched_tokens must be >= max_model_len: a prompt is prefilled in one step")
+        self.max_model_len = model.config.context_len(config.max_model_len)
         self.pool = BlockPool(config.num_blocks, config.block_size)
-        self.scheduler = Scheduler(
-            self.pool, config.max_num_seqs, config.max_num_batched_tokens, enable_decode=config.role != Role.PREFILL
-        )
-        self.runner = ModelRunner(model, config.num_blocks, config.block_size, device)
-        self.requests: dict[str, Request] = {}
-        self.parked: dict[str, Request] = {}
+        self.kv = KvCacheManager(self.pool, config.enable_prefix_caching)
+        proposer = make_proposer(config.speculative) if config.role is not Role.PREFILL else None
+        self.scheduler = Scheduler(config, self.kv, self.max_model_len, proposer)
+        self.runner = ModelRunner(model, config.num_blocks, config.block_size, device, kv_cache)
 
     # --- admission -------------------------------------------------------------------------------
 
     def add_request(self, spec: EngineRequest) -> None:
-        if self.config.role == Role.DECODE:
+        if self.config.role is Role.DECODE:
             raise RequestRejected("a decode engine takes handoffs (add_handoff), not fresh requests")
-        self.scheduler.add(self._admit(spec))
+        self._check(spec, range(spec.n))
+        self.scheduler.add(spec)
 
     def add_handoff(self, handoff: Handoff) -> bool:
-        """Continue a prefilled request. Returns False when it has to recompute the prompt (no KV,
-        or no room to import it now); the tokens are the same either way."""
-        if self.config.role == Role.PREFILL:
-            raise RequestRejected("a prefill engine does not take handoffs")
-        request = self._admit(handoff.request)
-        cause = request.append(handoff.first_token, self.max_model_len)
-        assert cause is None, "a terminal first token never leaves prefill (rule 21)"
-        num_prompt = len(handoff.request.prompt_token_ids)
-        if handoff.kv is not None and self.scheduler.add_running(request, num_prompt):
-            self.runner.import_blocks(request.block_ids, handoff.kv)
-            return True
-        self.scheduler.add(request)
-        return False
+        """Continue a prefilled request whose packed KV is in hand (or None). Returns False when it
+        has to recompute the prompt (no KV, or no room to import it now); the tokens are the same
+        either way."""
+        target = self.receive(handoff)
+        if target is None:
+            return False
+        if handoff.kv is None:
+            self.received(handoff.request.request_id, ok=False)
+            return False
+        self.runner.import_blocks(target.block_ids, handoff.kv[:, :, target.first_block :])
+        self.received(handoff.request.request_id, ok=True)
+        return True
 
-    def _admit(self, spec: EngineRequest) -> Request:
+    def receive(self, handoff: Handoff) -> ReceiveTarget | None:
+        """Decode role, KV still to come: blocks for the prompt after its cached prefix (the caller
+        fills them, then calls `received`). None: no room, the request recomputes its prompt."""
+        if self.config.role is Role.PREFILL:
+            raise RequestRejected("a prefill engine does not take handoffs")
+        self._check(handoff.request, [index for index, _ in handoff.choices])
+        return self.scheduler.receive(handoff)
+
+    def received(self, request_id: str, ok: bool) -> None:
+        """The KV of `receive`'s blocks is written (ok), or it will never come (recompute)."""
+        self.scheduler.received(request_id, ok)
+
+    def _check(self, spec: EngineRequest, indices) -> None:
         if len(self.scheduler.waiting) >= self.config.max_queued_requests:
             raise EngineOverloaded(f"{len(self.scheduler.waiting)} requests already wait for this engine")
-        if spec.request_id in self.requests or spec.request_id in self.parked:
+        if spec.request_id in self.scheduler.groups or any(
+                spec.choice_id(i) in self.scheduler.requests for i in indices):
             raise RequestRejected(f"request id {spec.request_id!r} is already in this engine")
-        num_tokens = len(spec.prompt_token_ids) + spec.policy.max_tokens
         if not spec.prompt_token_ids:
             raise RequestRejected("the prompt is empty")
+        num_tokens = len(spec.prompt_token_ids) + spec.policy.max_tokens
         if num_tokens > self.max_model_len:
             raise RequestRejected(f"prompt + max_tokens = {num_tokens} exceeds max_model_len {self.max_model_len}")
         if self.pool.blocks_for(num_tokens) > self.pool.num_blocks:
             raise RequestRejected(f"prompt + max_tokens = {num_tokens} tokens exceeds the KV cache")
-        request = Request(spec)
-        self.requests[spec.request_id] = request
-        return request
 
     # --- the loop --------------------------------------------------------------------------------
 
@@ -114,83 +118,80 @@ class Engine:
         return self.scheduler.has_work
 
     def step(self) -> list[StepOutput]:
-        batch = self.scheduler.schedule()
-        if batch is None:
+        output = self.scheduler.schedule()
+        if output is None:
             return []
-        tokens = self.runner.run(batch)
-        outputs = []
-        for request, token in zip(batch.requests, tokens):
-            request.num_computed_tokens = request.num_tokens
-            cause = request.append(token, self.max_model_len)
-            outputs.append(StepOutput(request.request_id, (token,), cause))
-            if cause is not None:
-                self._finish(request, cause)
-            elif self.config.role == Role.PREFILL:
-                self._park(request)
-        return outputs
+        return self.scheduler.update(output, self.runner.run(output))
 
-    def _finish(self, request: Request, cause: StopCause) -> None:
-        request.finish = cause
-        self._drop(request)
-
-    def _drop(self, request: Request) -> None:
-        """Forget the request and give its blocks back, whatever queue it is in."""
-        if request.status == Status.PARKED:
-            self.parked.pop(request.request_id)
-            self.pool.free(request.block_ids)
-            request.block_ids = []
-            request.set_status(Status.FINISHED)
-        else:
-            self.scheduler.finish(request)
-        self.requests.pop(request.request_id, None)
-
-    def _park(self, request: Request) -> None:
-        self.scheduler.park(request)
-        self.requests.pop(request.request_id)
-        self.parked[request.request_id] = request
+    def fail_running(self, message: str) -> list[StepOutput]:
+        """After a step raised: abort the requests it ran (any running one may be half-updated)
+        and report each as failed; waiting, parked and receiving requests are untouched."""
+        return self.scheduler.fail_running(message)
 
     # --- prefill role: export --------------------------------------------------------------------
 
-    def parked_block_ids(self, request_id: str) -> list[int]:
-        return list(self.parked[request_id].block_ids)
+    @property
+    def parked(self) -> dict[str, RequestState]:
+        return self.scheduler.parked
 
-    def export_shape(self, request_id: str) -> tuple[int, ...]:
+    def parked_block_ids(self, request_id: str) -> tuple[int, ...]:
+        """The prompt's blocks of a parked request (its choices share them)."""
+        choices = self.scheduler.parked_choices(request_id)
+        if not choices:
+            raise KeyError(f"no parked request {request_id!r}")
+        return self.kv.block_ids(choices[0].request_id)
+
+    def export_shape(self, request_id: str, first_block: int = 0) -> tuple[int, ...]:
         """The shape `export_kv` will have, without copying anything."""
         shape = list(self.runner.kv_cache.shape)
-        shape[2] = len(self.parked[request_id].block_ids)
+        shape[2] = len(self.parked_block_ids(request_id)) - first_block
         return tuple(shape)
 
     @property
     def kv_dtype(self) -> torch.dtype:
         return self.runner.kv_cache.dtype
 
-    def export_kv(self, request_id: str) -> torch.Tensor:
-        """The prompt's KV, packed: `[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]`."""
-        return self.runner.export_blocks(self.parked[request_id].block_ids)
+    def export_kv(self, request_id: str, first_block: int = 0) -> torch.Tensor:
+        """The prompt's KV from `first_block` on, packed:
+        `[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]`."""
+        return self.runner.export_blocks(self.parked_block_ids(request_id)[first_block:])
 
     def release(self, request_id: str) -> bool:
         """Free a parked request's blocks (decode acknowledged, or the lease expired)."""
-        request = self.parked.get(request_id)
-        if request is None:
-            return False
-        self._drop(request)
-        return True
+        return self.scheduler.release(request_id)
+
+    def claim(self, request_id: str) -> tuple[int, ...] | None:
+        """A decode replica came for a parked request: its prompt blocks, or None (lease gone)."""
+        return self.scheduler.claim(request_id)
+
+    def expire_leases(self) -> list[str]:
+        return self.scheduler.expire_leases(time.monotonic())
 
     # --- cancellation and stats -------------------------------------------------------------------
 
     def abort(self, request_id: str) -> bool:
-        request = self.requests.get(request_id) or self.parked.get(request_id)
-        if request is None:
-            return False
-        self._finish(request, Abort())
-        return True
+        """Abort a request (all its choices) or one choice, wherever it is."""
+        return self.scheduler.abort(request_id)
+
+    @property
+    def requests(self) -> dict[str, RequestState]:
+        return self.scheduler.requests
 
     def stats(self) -> EngineStats:
+        s, spec, cache = self.scheduler, self.scheduler.spec_stats, self.kv.stats
         return EngineStats(
-            num_waiting=len(self.scheduler.waiting),
-            num_running=len(self.scheduler.running),
-            num_parked=len(self.parked),
+            num_waiting=len(s.waiting),
+            num_running=len(s.running),
+            num_parked=len(s.parked),
+            num_receiving=sum(len(c) for c in s.receiving.values()),
             num_blocks=self.pool.num_blocks,
             num_free_blocks=self.pool.num_free_blocks,
-            num_preemptions=self.scheduler.num_preemptions,
+            num_cached_blocks=self.pool.num_cached_blocks,
+            num_preemptions=s.num_preemptions,
+            prefix_cache_queried_tokens=cache.num_queried_tokens,
+            prefix_cache_hit_tokens=cache.num_hit_tokens,
+            num_draft_tokens=spec.num_draft_tokens,
+            num_accepted_tokens=spec.num_accepted_tokens,
+            num_spec_steps=spec.num_steps,
+            num_spec_emitted_tokens=spec.num_emitted_tokens,
         )

@@ -61,6 +61,10 @@ class ModelConfig:
             dtype=dtype or _dtype(hf),
         )
 
+    def context_len(self, requested: int | None) -> int:
+        """The context length to serve: `requested` (None: the model's own), never past the model's."""
+        return min(requested or self.max_position_embeddings, self.max_position_embeddings)
+
 
 def _as_set(value: int | list[int] | None) -> set[int]:
     if value is None:
@@ -74,7 +78,30 @@ def _eos_token_ids(model_dir: Path, hf: dict) -> frozenset[int]:
     gen_path = model_dir / "generation_config.json"
     if gen_path.is_file():
         ids |= _as_set(json.loads(gen_path.read_text()).get("eos_token_id"))
+    tokenizer_eos = _tokenizer_eos_id(model_dir)
+    if tokenizer_eos is not None:
+        ids.add(tokenizer_eos)
     return frozenset(ids)
+
+
+def _tokenizer_eos_id(model_dir: Path) -> int | None:
+    """The id of tokenizer_config.json's `eos_token`, looked up in tokenizer.json's vocabulary."""
+    config_path, tokenizer_path = model_dir / "tokenizer_config.json", model_dir / "tokenizer.json"
+    if not config_path.is_file() or not tokenizer_path.is_file():
+        return None
+    eos = json.loads(config_path.read_text()).get("eos_token")
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    if not isinstance(eos, str):
+        return None
+    text = tokenizer_path.read_text()
+    key = text.find('"added_tokens"')  # decode just that list: the whole file is megabytes of vocabulary
+    if key >= 0:
+        added, _ = json.JSONDecoder().raw_decode(text, text.index("[", key))
+        for token in added:
+            if token.get("content") == eos:
+                return token["id"]
+    return json.loads(text).get("model", {}).get("vocab", {}).get(eos)
 
 
 def _dtype(hf: dict) -> torch.dtype:

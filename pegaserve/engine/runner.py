@@ -1,84 +1,113 @@
-"""The model runner: turns a scheduled batch into tensors, runs the model, samples.
+"""The model runner: turns a `SchedulerOutput` into tensors, runs the model, samples and scores.
 
-It owns the KV cache tensor; requests' block tables say which of its blocks they use.
+It owns the KV cache tensor; the scheduler's block tables (carried in the message) say which of
+its blocks each request uses. It reads nothing else of the scheduler's: every input it needs is
+in the frozen `ScheduledRequest`s.
 """
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from pegaserve.engine.attention import AttentionBatch
-from pegaserve.engine.request import Request, SampledToken
-from pegaserve.engine.sampler import SamplingRow, sample
-from pegaserve.engine.scheduler import ScheduledBatch
+from pegaserve.engine.sampler import sample, score_tokens
+from pegaserve.engine.scheduler_output import RunnerOutput, SchedulerOutput
+
+SCORE_CHUNK_ROWS = 64  # prompt logprobs: LM-head rows at a time (never [prompt_len, vocab] at once)
 
 
 class ModelRunner:
-    def __init__(self, model, num_blocks: int, block_size: int, device: str = "cpu") -> None:
+    def __init__(self, model, num_blocks: int, block_size: int, device: str = "cpu",
+                 kv_cache: torch.Tensor | None = None) -> None:
         cfg = model.config
         self.model = model
         self.block_size = block_size
         self.device = device
         shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=cfg.dtype, device=device)
+        if kv_cache is None:
+            kv_cache = torch.zeros(shape, dtype=cfg.dtype, device=device)
+        assert tuple(kv_cache.shape) == shape and kv_cache.dtype == cfg.dtype
+        self.kv_cache = kv_cache  # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[SampledToken]:
-        input_ids, positions, attn = self._prepare(batch)
+    def run(self, output: SchedulerOutput) -> RunnerOutput:
+        self._copy_blocks(output.block_copies)
+        input_ids, positions, attn = self._prepare(output)
         hidden = self.model(input_ids, positions, self.kv_cache, attn)  # [num_tokens, hidden]
-        if not attn.is_decode:  # only each request's last token is sampled
-            hidden = hidden[torch.tensor(attn.query_lens, device=self.device).cumsum(0) - 1]
-        logits = self.model.compute_logits(hidden)  # [num_reqs, vocab]
-        return sample(logits.cpu(), [_sampling_row(r) for r in batch.requests])
+        return RunnerOutput(self._sample(hidden, output, attn), self._score(hidden, output, attn))
 
-    def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
-        token_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_lens: list[int] = []
-        context_lens: list[int] = []
-        block_size = self.block_size
-        for request in batch.requests:
-            start = request.num_computed_tokens if batch.is_prefill else request.num_tokens - 1
-            end = request.num_tokens
-            token_ids += _token_ids(request, start, end)
-            positions += range(start, end)
-            block_ids = request.block_ids
-            slots += (block_ids[p // block_size] * block_size + p % block_size for p in range(start, end))
-            query_lens.append(end - start)
-            context_lens.append(end)
-        max_blocks = max(len(r.block_ids) for r in batch.requests)
-        tables = [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in batch.requests]
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+    def _prepare(self, output: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
+        requests = output.requests
+        query_lens = [r.num_tokens for r in requests]
+        context_lens = [r.start + r.num_tokens for r in requests]
+        max_blocks = max(len(r.block_ids) for r in requests)
+        tables = torch.tensor([[*r.block_ids, *[0] * (max_blocks - len(r.block_ids))] for r in requests],
+                              dtype=torch.long)  # [num_reqs, max_blocks]
+        input_ids = torch.tensor(list(itertools.chain.from_iterable(r.token_ids for r in requests)), dtype=torch.long)
+        lens = torch.tensor(query_lens)
+        owner = torch.repeat_interleave(torch.arange(len(requests)), lens)  # [num_tokens]: its request
+        first = torch.cumsum(lens, 0) - lens  # each request's first row
+        starts = torch.tensor([r.start for r in requests])
+        positions = torch.arange(len(input_ids)) - first[owner] + starts[owner]
+        slots = tables[owner, positions // self.block_size] * self.block_size + positions % self.block_size
         attn = AttentionBatch(
-            slot_mapping=as_tensor(slots),
-            block_tables=as_tensor(tables),
-            context_lens=as_tensor(context_lens),
+            slot_mapping=slots.to(self.device),
+            block_tables=tables.to(self.device),
+            context_lens=torch.tensor(context_lens, device=self.device),
             query_lens=tuple(query_lens),
             context_lens_cpu=tuple(context_lens),
         )
-        return as_tensor(token_ids), as_tensor(positions), attn
+        return input_ids.to(self.device), positions.to(self.device), attn
 
-    def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
+    def _sample(self, hidden: torch.Tensor, output: SchedulerOutput, attn: AttentionBatch):
+        """Logits at every sampled position (once per position, however many rows share it)."""
+        flat: list[int] = []  # rows of `hidden` to put through the LM head
+        row_of: list[int] = []  # per sampling row: its row of `logits`
+        rows = []
+        for r, start in zip(output.requests, attn.query_starts):
+            for sample_at in r.samples:
+                if not flat or flat[-1] != start + sample_at.offset:
+                    flat.append(start + sample_at.offset)
+                row_of.append(len(flat) - 1)
+                rows.append(sample_at.row)
+        if not rows:
+            return tuple(() for _ in output.requests)
+        index = torch.tensor(flat, device=hidden.device)
+        logits = self.model.compute_logits(hidden.index_select(0, index)).float().cpu()  # [num_positions, vocab]
+        if len(flat) != len(rows):
+            logits = logits[torch.tensor(row_of)]
+        tokens = iter(sample(logits, rows))
+        return tuple(tuple(itertools.islice(tokens, len(r.samples))) for r in output.requests)
+
+    def _score(self, hidden: torch.Tensor, output: SchedulerOutput, attn: AttentionBatch):
+        """Prompt logprobs, a bounded number of LM-head rows at a time."""
+        scores = []
+        for r, start in zip(output.requests, attn.query_starts):
+            found = []
+            first = start + r.score_from
+            for i in range(0, len(r.score_targets), SCORE_CHUNK_ROWS):
+                chunk = hidden[first + i : first + min(i + SCORE_CHUNK_ROWS, len(r.score_targets))]
+                logits = self.model.compute_logits(chunk).float().cpu()
+                found += score_tokens(logits, r.score_targets[i : i + SCORE_CHUNK_ROWS], r.num_top_scores)
+            scores.append(tuple(found))
+        return tuple(scores)
+
+    def _copy_blocks(self, copies: tuple[tuple[int, int], ...]) -> None:
+        """Copy-on-write: a shared block's content into the private copy a request will write into."""
+        if copies:
+            sources = torch.tensor([s for s, _ in copies], device=self.device)
+            destinations = torch.tensor([d for _, d in copies], device=self.device)
+            self.kv_cache.index_copy_(2, destinations, self.kv_cache.index_select(2, sources))
+
+    def export_blocks(self, block_ids) -> torch.Tensor:
         """Pack blocks for the handoff: `[num_layers, 2, len(block_ids), block_size, kvh, hd]`."""
-        return self.kv_cache[:, :, torch.tensor(block_ids, device=self.device)].contiguous()
+        return self.kv_cache.index_select(2, torch.tensor(list(block_ids), device=self.device))
 
-    def import_blocks(self, block_ids: list[int], packed: torch.Tensor) -> None:
+    def import_blocks(self, block_ids, packed: torch.Tensor) -> None:
         expected = (*self.kv_cache.shape[:2], len(block_ids), *self.kv_cache.shape[3:])
         if tuple(packed.shape) != expected:
             raise ValueError(f"KV shape {tuple(packed.shape)} does not fit this cache: expected {expected}")
-        self.kv_cache[:, :, torch.tensor(block_ids, device=self.device)] = packed.to(self.kv_cache)
-
-
-def _token_ids(request: Request, start: int, end: int) -> list[int]:
-    """`request.all_token_ids()[start:end]` without copying the whole sequence (a decode step
-    needs only the last token)."""
-    prompt = request.spec.prompt_token_ids
-    if start >= len(prompt):
-        return [t.token_id for t in request.output[start - len(prompt) : end - len(prompt)]]
-    return request.all_token_ids()[start:end]
-
-
-def _sampling_row(request: Request) -> SamplingRow:
-    num_output = request.num_output_tokens
-    return SamplingRow(request.spec.sampling, num_output, request.spec.policy.masked_token_ids(num_output))
+        index = torch.tensor(list(block_ids), device=self.device)
+        self.kv_cache.index_copy_(2, index, packed.to(self.kv_cache))

@@ -3,7 +3,8 @@
 import pytest
 
 from tests.engine.helpers import EOS_IDS, PROMPTS, greedy_request, run_to_completion, token_ids
-from pegaserve.engine.build import load_engine, scripted_engine
+from pegaserve.engine.build import load_engine
+from pegaserve.testing.scripted import scripted_engine
 from pegaserve.engine.engine import EngineConfig, Role
 from pegaserve.engine.request import Handoff
 from pegaserve.stop import Eos, Length
@@ -33,7 +34,7 @@ def prefill_then_decode(prefill, decode, requests, move_kv=True):
             continue  # terminal first token: nothing exported (rule 21)
         kv = prefill.export_kv(rid) if move_kv else None
         assert prefill.release(rid)
-        imported[rid] = decode.add_handoff(Handoff(specs[rid], outs[0].tokens[0], kv))
+        imported[rid] = decode.add_handoff(Handoff.single(specs[rid], outs[0].tokens[0], kv))
     rest = run_to_completion(decode)
     return {rid: token_ids(first[rid] + rest.get(rid, [])) for rid in first}, first, imported
 

@@ -1,6 +1,6 @@
 """docs/CONTRACT.md token-level rules 1-7, one test each, on the policy and the engine's request."""
 
-from pegaserve.engine.request import EngineRequest, Request, SampledToken, SamplingParams
+from pegaserve.engine.request import EngineRequest, RequestState, SampledToken, SamplingParams
 from pegaserve.stop import Eos, Length, StopPolicy, Token, finish_reason, stop_reason
 
 EOS = 151645
@@ -11,7 +11,7 @@ def policy(**kw) -> StopPolicy:
 
 
 def run(tokens: list[int], p: StopPolicy) -> tuple[list[int], object]:
-    request = Request(EngineRequest("r", (1, 2, 3), SamplingParams(), p))
+    request = RequestState(EngineRequest("r", (1, 2, 3), SamplingParams(), p))
     for token_id in tokens:
         cause = request.append(SampledToken(token_id, -0.5), max_model_len=4096)
         if cause is not None:
@@ -60,7 +60,7 @@ def test_rule6_min_tokens_masks_eos_and_stop_ids_until_k_tokens_exist():
 
 
 def test_rule7_trigger_token_is_kept_with_its_logprob():
-    request = Request(EngineRequest("r", (1,), SamplingParams(), policy(stop_token_ids=frozenset({17}))))
+    request = RequestState(EngineRequest("r", (1,), SamplingParams(), policy(stop_token_ids=frozenset({17}))))
     request.append(SampledToken(16, -0.1), 4096)
     request.append(SampledToken(17, -2.5), 4096)
     assert [t.token_id for t in request.output] == [16, 17]
@@ -68,5 +68,5 @@ def test_rule7_trigger_token_is_kept_with_its_logprob():
 
 
 def test_full_context_is_length():
-    request = Request(EngineRequest("r", (1, 2), SamplingParams(), policy(max_tokens=10)))
+    request = RequestState(EngineRequest("r", (1, 2), SamplingParams(), policy(max_tokens=10)))
     assert request.append(SampledToken(5, 0.0), max_model_len=3) == Length()

@@ -2,7 +2,8 @@
 
 It runs behind the real engine — scheduler, paged KV, sampler, stop classification — so tests
 drive every layer but the weights. It keeps the context's token ids *in the KV cache* (one K
-value per token), so a prefill → decode handoff only works if the blocks really moved.
+value per token), so a prefill → decode handoff only works if the blocks really moved. Every
+position predicts (prompt scoring and speculative verification read more than the last one).
 """
 
 from __future__ import annotations
@@ -59,15 +60,17 @@ class ScriptedModel(nn.Module):
         kv_layer = kv_cache[0]
         ids = input_ids.to(torch.float32)[:, None, None]  # [num_tokens, 1, 1]
         store_kv(ids, ids, kv_layer, batch.slot_mapping)
-        hidden = torch.zeros(len(input_ids), 2)  # (next token id, its logit) at each request's last row
-        end = 0
+        hidden = torch.zeros(len(input_ids), 2)  # (next token id, its logit) at every row
         block_size = kv_layer.shape[2]
         for i, (q_len, ctx_len) in enumerate(zip(batch.query_lens, batch.context_lens_cpu)):
-            end += q_len
             blocks = batch.block_tables[i, : -(-ctx_len // block_size)]
             k_ctx, _ = gather_context(kv_layer, blocks, ctx_len)
-            hidden[end - 1, 0] = self.next_token(k_ctx[:, 0, 0].long().tolist())
-            hidden[end - 1, 1] = script_logit(ctx_len)
+            context = k_ctx[:, 0, 0].long().tolist()
+            start = batch.query_starts[i]
+            for j in range(q_len):
+                num_seen = ctx_len - q_len + j + 1  # query j sees the context through its own token
+                hidden[start + j, 0] = self.next_token(context[:num_seen])
+                hidden[start + j, 1] = script_logit(num_seen)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -75,3 +78,10 @@ class ScriptedModel(nn.Module):
         logits[:, self.runner_up_token_id] = RUNNER_UP_LOGIT
         logits.scatter_(1, hidden[:, :1].long(), hidden[:, 1:])
         return logits
+
+
+def scripted_engine(model_dir, script: Mapping[Sequence[int], Sequence[int]], config=None, kv_cache=None):
+    """An engine whose model follows `script` (see `ScriptedModel`), with the real tokenizer's vocab."""
+    from pegaserve.engine.engine import Engine, EngineConfig  # noqa: PLC0415 - the engine imports nothing of ours
+
+    return Engine(ScriptedModel(ModelConfig.from_dir(model_dir), script), config or EngineConfig(), kv_cache=kv_cache)

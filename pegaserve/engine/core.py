@@ -1,0 +1,184 @@
+"""The engine loop: commands between steps, one batch of outputs after each step.
+
+`EngineCore` owns an `Engine` and is the only code that touches it. Callers send it typed commands
+(frozen dataclasses, never callables, so they can cross a process boundary) and receive every
+step's outputs as one list. The loop never dies of a request: a command that fails answers its
+caller with the exception; a step that fails fails the requests it was running (each gets an
+`Error` finish) and the loop goes on. Commands whose caller has gone away are skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pegaserve.engine.engine import Engine
+from pegaserve.engine.request import EngineRequest, Handoff, StepOutput
+
+log = logging.getLogger(__name__)
+LEASE_CHECK_PERIOD_S = 0.5
+
+
+# --- commands ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    request: EngineRequest
+
+
+@dataclass(frozen=True)
+class Receive:
+    """Decode role: admit a handoff whose KV the caller will write (answers a `ReceiveTarget`)."""
+
+    handoff: Handoff
+
+
+@dataclass(frozen=True)
+class AddHandoff:
+    """Decode role: admit a handoff whose packed KV (or None) travels with it (answers imported?)."""
+
+    handoff: Handoff
+
+
+@dataclass(frozen=True)
+class Received:
+    request_id: str
+    ok: bool
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class ReleaseRequest:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class ParkedBlocks:
+    """Prefill role: the block ids of a parked request's prompt (answers a tuple, or KeyError)."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class ClaimParked:
+    """Prefill role: a decode replica came for a parked request's KV (answers its blocks, or None)."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class ExportKv:
+    """Prefill role, in process: the packed KV of a parked request from `first_block` on."""
+
+    request_id: str
+    first_block: int = 0
+
+
+@dataclass(frozen=True)
+class GetStats:
+    pass
+
+
+Command = (AddRequest | Receive | AddHandoff | Received | AbortRequest | ReleaseRequest | ParkedBlocks | ClaimParked
+           | ExportKv | GetStats)
+
+
+@dataclass(frozen=True)
+class Health:
+    """What a replica's health check reads: is the loop alive, and is it keeping up?"""
+
+    alive: bool
+    has_work: bool
+    seconds_since_step: float  # since the last step (or since it last went idle)
+    num_steps: int
+    num_failed_steps: int
+
+
+# --- the loop ------------------------------------------------------------------------------------
+
+
+class EngineCore:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.num_steps = 0
+        self.num_failed_steps = 0
+        self.last_progress_s = time.monotonic()
+        self._leases_checked_s = 0.0
+
+    def execute(self, command: Command):
+        """Run one command between steps; exceptions reach the caller, never the loop."""
+        engine = self.engine
+        match command:
+            case AddRequest(request):
+                return engine.add_request(request)
+            case Receive(handoff):
+                return engine.receive(handoff)
+            case AddHandoff(handoff):
+                return engine.add_handoff(handoff)
+            case Received(request_id, ok):
+                return engine.received(request_id, ok)
+            case AbortRequest(request_id):
+                return engine.abort(request_id)
+            case ReleaseRequest(request_id):
+                return engine.release(request_id)
+            case ParkedBlocks(request_id):
+                return engine.parked_block_ids(request_id)
+            case ClaimParked(request_id):
+                return engine.claim(request_id)
+            case ExportKv(request_id, first_block):
+                return engine.export_kv(request_id, first_block)
+            case GetStats():
+                return engine.stats()
+        raise TypeError(f"unknown engine command {command!r}")
+
+    def step(self) -> list[StepOutput]:
+        """One engine step. A failure fails the step's requests, not the engine."""
+        now = time.monotonic()
+        if self.engine.parked and now - self._leases_checked_s >= LEASE_CHECK_PERIOD_S:
+            self._leases_checked_s = now
+            for request_id in self.engine.expire_leases():
+                log.warning("KV lease of %s expired; decode will recompute", request_id)
+        if not self.engine.has_work():
+            self.last_progress_s = time.monotonic()
+            return []
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            log.exception("engine step failed")
+            self.num_failed_steps += 1
+            outputs = self.engine.fail_running(f"engine step failed: {type(exc).__name__}")
+        self.num_steps += 1
+        self.last_progress_s = time.monotonic()
+        return outputs
+
+    def health(self, alive: bool = True) -> Health:
+        return Health(alive, self.engine.has_work(), time.monotonic() - self.last_progress_s, self.num_steps,
+                      self.num_failed_steps)
+
+
+def run_loop(core: EngineCore, next_commands: Callable[[bool], list[tuple[object, Command]]],
+             answer: Callable[[object, object, BaseException | None], None],
+             publish: Callable[[list[StepOutput]], None], stopped: Callable[[], bool]) -> None:
+    """The engine loop, over any transport: `next_commands(block)` returns (reply key, command)
+    pairs (blocking briefly only when idle); `answer(key, result, error)` replies to one;
+    `publish(outputs)` ships a step's outputs."""
+    while not stopped():
+        for key, command in next_commands(not core.engine.has_work()):
+            try:
+                result, error = core.execute(command), None
+            except Exception as exc:  # the caller's problem (a rejected request), not the loop's
+                result, error = None, exc
+            try:
+                answer(key, result, error)
+            except Exception:  # the caller is gone (cancelled, disconnected): skip it
+                log.debug("could not answer an engine command", exc_info=True)
+        outputs = core.step()
+        if outputs:
+            publish(outputs)

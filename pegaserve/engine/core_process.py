@@ -1,0 +1,245 @@
+"""The engine loop in a process of its own, as vLLM runs its engine core: the model's Python never
+waits for the GIL of the replica that serves it (its event loop, Ray's threads, serialization).
+
+The replica starts `python -m pegaserve.engine.core_process FD` with one end of a socket pair;
+messages are length-prefixed pickles (the two processes trust each other as a process trusts
+itself). The KV cache lives in shared memory, mapped by both: the replica moves a handoff's
+blocks in and out of it directly, never through the engine loop. The child exits when the socket
+closes (its replica died or shut down); the replica sees the child's exit as EOF and fails what
+was in flight (`EngineDead`), and its health check fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import select
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pegaserve.engine.async_engine import EngineDead, Transport
+from pegaserve.engine.config import EngineConfig
+from pegaserve.engine.core import Command, EngineCore, Health, run_loop
+from pegaserve.engine.model_config import ModelConfig
+
+log = logging.getLogger(__name__)
+_HEADER = struct.Struct("!I")
+SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything the child needs to build its engine; `builder` names a module-level function
+    `(spec, kv_cache) -> Engine` (the product's `build_engine_from_spec`, or a test double's)."""
+
+    model_dir: str
+    config: EngineConfig
+    attention_backend: str = "auto"
+    device: str = "cpu"
+    torch_threads: int = 1
+    builder: str = "pegaserve.engine.core_process:build_engine_from_spec"
+    builder_args: tuple = ()
+
+
+def build_engine_from_spec(spec: EngineSpec, kv_cache: torch.Tensor):
+    from pegaserve.engine.build import load_engine  # noqa: PLC0415 - the child's import
+
+    return load_engine(spec.model_dir, spec.config, spec.attention_backend, spec.device, kv_cache=kv_cache)
+
+
+# --- framing -------------------------------------------------------------------------------------
+
+
+def _send(sock: socket.socket, message: object, lock: threading.Lock) -> None:
+    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    with lock:
+        sock.sendall(_HEADER.pack(len(payload)) + payload)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    chunks, size = [], 0
+    while size < n:
+        chunk = sock.recv(n - size)
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
+
+
+def _recv(sock: socket.socket) -> object | None:
+    header = _recv_exact(sock, _HEADER.size)
+    if header is None:
+        return None
+    payload = _recv_exact(sock, _HEADER.unpack(header)[0])
+    return None if payload is None else pickle.loads(payload)
+
+
+# --- the parent's side ---------------------------------------------------------------------------
+
+
+class ProcessTransport(Transport):
+    """Starts the engine process and talks to it. The KV cache is a file in /dev/shm that both map;
+    it is unlinked as soon as the child has mapped it, so nothing outlives the two processes."""
+
+    def __init__(self, spec: EngineSpec, start_timeout_s: float = 300.0) -> None:
+        cfg = ModelConfig.from_dir(spec.model_dir, dtype=torch.float32 if spec.device == "cpu" else None)
+        c = spec.config
+        self._shape = (cfg.num_layers, 2, c.num_blocks, c.block_size, cfg.num_kv_heads, cfg.head_dim)
+        self._dtype = cfg.dtype
+        path = SHM_DIR / f"pegaserve-kv-{uuid.uuid4().hex}"
+        numel = 1
+        for n in self._shape:
+            numel *= n
+        self._kv_cache = torch.from_file(str(path), shared=True, size=numel, dtype=self._dtype).view(self._shape)
+        parent, child = socket.socketpair()
+        self._sock = parent
+        self._lock = threading.Lock()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "pegaserve.engine.core_process", str(child.fileno())],
+            pass_fds=(child.fileno(),), env=env,
+        )  # fmt: skip
+        child.close()
+        try:
+            _send(parent, (spec, str(path), self._shape, self._dtype), self._lock)
+            parent.settimeout(start_timeout_s)
+            ready = _recv(parent)
+            parent.settimeout(None)
+        finally:
+            path.unlink(missing_ok=True)
+        if not (isinstance(ready, tuple) and ready[0] == "ready"):
+            self._process.kill()
+            raise EngineDead(f"the engine process did not start: {ready!r}")
+        self._health = Health(True, False, 0.0, 0, 0)
+        self._health_at = time.monotonic()
+        self._dead: BaseException | None = None
+        self._reader: threading.Thread | None = None
+
+    def start(self, loop, settle, publish, dead) -> None:
+        def read() -> None:
+            while True:
+                try:
+                    message = _recv(self._sock)
+                except OSError:
+                    message = None
+                if message is None:
+                    break
+                kind, body = message
+                if kind == "outputs":
+                    loop.call_soon_threadsafe(publish, body)
+                elif kind == "answer":
+                    key, result, error = body
+                    loop.call_soon_threadsafe(settle, key, result, error)
+                elif kind == "health":
+                    self._health, self._health_at = body, time.monotonic()
+            code = self._process.wait()
+            self._dead = EngineDead(f"the engine process exited with code {code}")
+            log.error("%s", self._dead)
+            loop.call_soon_threadsafe(dead, self._dead)
+
+        self._reader = threading.Thread(target=read, name="pegaserve-engine-reader", daemon=True)
+        self._reader.start()
+
+    def send(self, key: int | None, command: Command) -> None:
+        if self._dead is not None:
+            raise self._dead
+        try:
+            _send(self._sock, (key, command), self._lock)
+        except OSError as exc:
+            raise EngineDead(f"the engine process is gone: {exc}") from exc
+
+    def health(self) -> Health:
+        h = self._health
+        alive = self._dead is None and self._process.poll() is None
+        # the child reports about every second; silence is as bad as a stuck loop
+        silent_s = time.monotonic() - self._health_at
+        return Health(alive, h.has_work, max(h.seconds_since_step, silent_s - 1.0), h.num_steps, h.num_failed_steps)
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        return self._kv_cache
+
+    def shutdown(self) -> None:
+        try:
+            self._sock.close()
+        finally:
+            try:
+                self._process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+
+
+# --- the child's side ----------------------------------------------------------------------------
+
+
+def _child_main(fd: int) -> None:
+    sock = socket.socket(fileno=fd)
+    lock = threading.Lock()
+    spec, path, shape, dtype = _recv(sock)
+    numel = 1
+    for n in shape:
+        numel *= n
+    kv_cache = torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
+    torch.set_num_threads(spec.torch_threads)
+    module, _, name = spec.builder.partition(":")
+    builder = getattr(__import__(module, fromlist=[name]), name)
+    try:
+        core = EngineCore(builder(spec, kv_cache, *spec.builder_args))
+    except Exception as exc:
+        _send(sock, ("failed", f"{type(exc).__name__}: {exc}"), lock)
+        raise
+    _send(sock, ("ready", os.getpid()), lock)
+    closed = threading.Event()
+    last_report = [0.0]
+
+    def next_commands(block: bool) -> list:
+        commands = []
+        timeout = 0.05 if block else 0.0
+        while True:
+            readable, _, _ = select.select([sock], [], [], timeout)
+            if not readable:
+                break
+            message = _recv(sock)
+            if message is None:
+                closed.set()
+                break
+            commands.append(message)
+            timeout = 0.0
+        now = time.monotonic()
+        if now - last_report[0] >= 1.0:
+            last_report[0] = now
+            _send(sock, ("health", core.health()), lock)
+        return commands
+
+    def answer(key, result, error) -> None:
+        if key is None:
+            return
+        try:
+            _send(sock, ("answer", (key, result, error)), lock)
+        except (pickle.PicklingError, TypeError, AttributeError):  # an answer that cannot travel
+            _send(sock, ("answer", (key, None, RuntimeError(f"{type(error or result).__name__}: {error}"))), lock)
+
+    def publish(outputs) -> None:
+        _send(sock, ("outputs", outputs), lock)
+
+    try:
+        run_loop(core, next_commands, answer, publish, closed.is_set)
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the replica is gone
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(message)s")
+    _child_main(int(sys.argv[1]))
