@@ -1,0 +1,129 @@
+"""The engine loop never dies: a failed or cancelled command, a failed step, a caller that went away
+— the loop goes on and later requests succeed. And the loop in its own process gives the same
+tokens as on a thread, and says so when it dies."""
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from pegaserve.engine import core
+from pegaserve.engine.async_engine import AsyncEngine, EngineDead
+from pegaserve.engine.build import load_engine
+from pegaserve.engine.core_process import EngineSpec, ProcessTransport
+from pegaserve.engine.engine import EngineConfig, RequestRejected
+from pegaserve.engine.offline import token_ids
+from pegaserve.stop import Error, Length
+from pegaserve.testing.scripted import scripted_engine
+from tests.engine.helpers import PROMPTS, greedy_request
+
+
+async def collect(engine: AsyncEngine, request) -> list:
+    return [o async for o in engine.generate(request)]
+
+
+def test_a_cancelled_caller_never_kills_the_loop(tiny_model_dir):
+    async def main():
+        engine = AsyncEngine.in_thread(scripted_engine(tiny_model_dir, {}, EngineConfig(num_blocks=64)))
+        # hundreds of calls cancelled while queued, running, or just answered
+        for i in range(300):
+            task = asyncio.ensure_future(engine.call(core.GetStats()))
+            await asyncio.sleep(0 if i % 3 else 0.0005)
+            task.cancel()
+        generations = [asyncio.ensure_future(collect(engine, greedy_request(f"c{i}", [1, 2, 3], 50)))
+                       for i in range(50)]
+        await asyncio.sleep(0.01)
+        for task in generations[::2]:
+            task.cancel()  # closes the iterators: their requests are aborted
+        done = await asyncio.gather(*generations[1::2])
+        assert all(token_ids(outs) == [64] * 50 for outs in done)
+        assert engine.health().alive and engine.health().num_failed_steps == 0
+        stats = await engine.stats()
+        assert stats.num_running == stats.num_waiting == 0 and stats.num_free_blocks == stats.num_blocks
+        engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_failing_command_answers_its_caller_and_the_loop_goes_on(tiny_model_dir):
+    async def main():
+        engine = AsyncEngine.in_thread(scripted_engine(tiny_model_dir, {}, EngineConfig(num_blocks=16)))
+        with pytest.raises(RequestRejected):
+            await collect(engine, greedy_request("big", [1] * 10, 5000))  # past the context
+        with pytest.raises(KeyError):
+            await engine.parked_blocks("nobody")
+        assert token_ids(await collect(engine, greedy_request("ok", [1, 2], 3))) == [64] * 3
+        engine.shutdown()
+
+    asyncio.run(main())
+
+
+class FailsOnce:
+    """A model wrapper whose forward raises once, on the step it is armed for."""
+
+    def __init__(self, model) -> None:
+        self.model, self.config, self.armed = model, model.config, False
+
+    def __call__(self, *args):
+        if self.armed:
+            self.armed = False
+            raise RuntimeError("boom")
+        return self.model(*args)
+
+    def compute_logits(self, hidden):
+        return self.model.compute_logits(hidden)
+
+
+def test_a_failing_step_fails_its_requests_only(tiny_model_dir):
+    async def main():
+        inner = scripted_engine(tiny_model_dir, {}, EngineConfig(num_blocks=32))
+        wrapper = FailsOnce(inner.runner.model)
+        inner.runner.model = wrapper
+        engine = AsyncEngine.in_thread(inner)
+        first = asyncio.ensure_future(collect(engine, greedy_request("doomed", [1, 2, 3], 200)))
+        await asyncio.sleep(0.05)
+        wrapper.armed = True
+        outputs = await first
+        assert isinstance(outputs[-1].finish, Error)
+        assert token_ids(await collect(engine, greedy_request("after", [4, 5], 4))) == [64] * 4
+        health = engine.health()
+        assert health.alive and health.num_failed_steps == 1
+        engine.shutdown()
+
+    asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def thread_tokens(tiny_model_dir):
+    async def main():
+        engine = AsyncEngine.in_thread(load_engine(tiny_model_dir, EngineConfig(num_blocks=128), "sdpa"))
+        outs = await asyncio.gather(*(collect(engine, greedy_request(f"r{i}", p, 8)) for i, p in enumerate(PROMPTS)))
+        engine.shutdown()
+        return [token_ids(o) for o in outs]
+
+    return asyncio.run(main())
+
+
+def test_the_engine_in_its_own_process_gives_the_same_tokens(tiny_model_dir, thread_tokens):
+    async def main():
+        spec = EngineSpec(str(tiny_model_dir), EngineConfig(num_blocks=128), attention_backend="sdpa")
+        engine = AsyncEngine(ProcessTransport(spec))
+        outs = await asyncio.gather(*(collect(engine, greedy_request(f"r{i}", p, 8)) for i, p in enumerate(PROMPTS)))
+        assert [token_ids(o) for o in outs] == thread_tokens
+        assert all(o[-1].finish == Length() for o in outs)
+        assert engine.kv_cache.abs().sum() > 0  # the replica sees the engine's KV: shared memory
+        await asyncio.sleep(1.2)
+        assert engine.health().alive and engine.health().num_steps > 0
+        # the process dies: calls in flight fail, health says so
+        stream = asyncio.ensure_future(collect(engine, greedy_request("long", [1, 2, 3], 2000)))
+        await asyncio.sleep(0.3)
+        os.kill(engine.transport._process.pid, signal.SIGKILL)  # noqa: SLF001
+        outputs = await asyncio.wait_for(stream, 30)
+        assert isinstance(outputs[-1].finish, Error)
+        assert not engine.health().alive
+        with pytest.raises(EngineDead):
+            await engine.stats()
+        engine.shutdown()
+
+    asyncio.run(main())
