@@ -1,7 +1,11 @@
-"""The sampler: seeds, top-k/top-p, logprobs, greedy and min_tokens masking (docs/CONTRACT.md rule 6).
+"""The sampler: seeds, top-k/top-p, logprobs, greedy, min_tokens masking (docs/CONTRACT.md rule 6)
+and speculative drafts. Processing (penalties, logit_bias, min_p) and prompt scoring are in
+test_sampler_processing.py.
 
 Function-level tests call `sample()` on hand-made logits; engine-level tests run the real engine,
 with the tiny model (seeds) or a scripted one (masking), so batching and the runner are exercised.
+The engine-level tests import the engine themselves, so the sampler's own tests run whatever
+state the engine is in.
 """
 
 import math
@@ -9,29 +13,47 @@ import math
 import pytest
 import torch
 
-from tests.engine.helpers import EOS_IDS, PROMPTS, greedy_request, run_to_completion, token_ids
-from pegaserve.engine.build import load_engine, scripted_engine
-from pegaserve.engine.engine import EngineConfig
-from pegaserve.engine.request import EngineRequest, SamplingParams
+from pegaserve.engine.request import SamplingParams
 from pegaserve.engine.sampler import SamplingRow, argmax_rows, log_normalizers, sample
-from pegaserve.stop import Eos, StopPolicy, Token
 
 EOS = 151645
 RUNNER_UP = 65  # the scripted model's runner-up token ("b")
 
 
-def row(num_output_tokens: int = 0, masked: frozenset[int] = frozenset(), **params) -> SamplingRow:
-    return SamplingRow(SamplingParams(**params), num_output_tokens, masked)
+def row(
+    num_output_tokens: int = 0,
+    masked: frozenset[int] = frozenset(),
+    output: tuple[int, ...] = (),
+    prompt: tuple[int, ...] = (),
+    draft: int | None = None,
+    **params,
+) -> SamplingRow:
+    return SamplingRow(SamplingParams(**params), num_output_tokens, masked, output, prompt, draft)
 
 
 def random_logits(num_rows: int, vocab: int = 1000, scale: float = 3.0, seed: int = 0) -> torch.Tensor:
     return torch.randn(num_rows, vocab, generator=torch.Generator().manual_seed(seed)) * scale
 
 
-def drawn(logits_row: torch.Tensor, num_draws: int, **params) -> list[int]:
-    """Sample the same logits once per seed 0..num_draws-1, in one batch."""
-    rows = [row(seed=seed, **params) for seed in range(num_draws)]
-    return [t.token_id for t in sample(logits_row.expand(num_draws, -1).contiguous(), rows)]
+def drawn(logits_row: torch.Tensor, num_draws: int, batch: int = 4096, **params) -> list[int]:
+    """Sample the same logits once per seed 0..num_draws-1, `batch` rows at a time."""
+    tokens = []
+    for first in range(0, num_draws, batch):
+        rows = [row(seed=seed, **params) for seed in range(first, min(first + batch, num_draws))]
+        tokens += [t.token_id for t in sample(logits_row.expand(len(rows), -1).contiguous(), rows)]
+    return tokens
+
+
+def frequencies(tokens: list[int], vocab: int) -> torch.Tensor:
+    return torch.bincount(torch.tensor(tokens), minlength=vocab).double() / len(tokens)
+
+
+def chi_square(tokens: list[int], probs: torch.Tensor) -> float:
+    """Pearson's statistic of the draws against `probs` (bins with no probability must stay empty)."""
+    observed = torch.bincount(torch.tensor(tokens), minlength=len(probs)).double()
+    expected = probs.double() * len(tokens)
+    assert observed[expected == 0].sum() == 0, "drew a token with no probability"
+    return float(((observed - expected)[expected > 0] ** 2 / expected[expected > 0]).sum())
 
 
 # --- seeds --------------------------------------------------------------------------------------
@@ -153,6 +175,27 @@ def test_greedy_is_the_argmax():
     assert [t.token_id for t in sample(logits, [row(top_k=1, seed=s) for s in range(8)])] == expected
 
 
+@pytest.mark.parametrize("temperature", [1e-9, 1e-30, 1e-45, 0.0, -0.0])
+def test_tiny_temperatures_are_greedy_with_finite_logprobs(temperature):
+    assert SamplingParams(temperature=temperature).greedy  # below vLLM's 1e-5
+    logits = random_logits(4, vocab=151936, scale=4.0, seed=8)
+    expected = torch.log_softmax(logits.double(), dim=-1)
+    tokens = sample(logits, [row(temperature=temperature, seed=s, num_top_logprobs=2) for s in range(4)])
+    assert [t.token_id for t in tokens] == logits.argmax(-1).tolist()
+    for i, token in enumerate(tokens):
+        assert math.isfinite(token.logprob)
+        assert token.logprob == pytest.approx(expected[i, token.token_id].item(), abs=1e-4)
+        assert all(math.isfinite(lp) for _, lp in token.top_logprobs)
+
+
+def test_the_smallest_sampled_temperature_stays_finite():
+    assert not SamplingParams(temperature=1e-5).greedy
+    logits = random_logits(4, vocab=151936, scale=4.0, seed=8)  # best-to-second gaps >> 80 * 1e-5
+    tokens = sample(logits, [row(temperature=1e-5, seed=s) for s in range(4)])
+    assert [t.token_id for t in tokens] == logits.argmax(-1).tolist()
+    assert all(math.isfinite(t.logprob) for t in tokens)
+
+
 @pytest.mark.parametrize("vocab", [151936, 50257, 8192, 1000])
 def test_the_chunked_argmax_and_normalizer_agree_with_torch(vocab):
     logits = random_logits(6, vocab=vocab, scale=40.0, seed=5)  # a wide range: exp underflows
@@ -189,11 +232,77 @@ def test_masking_applies_per_row():
     assert tokens[0].token_id != 2 and tokens[1].token_id == 2
 
 
-def policy(max_tokens: int, **kw) -> StopPolicy:
+# --- speculative drafts ----------------------------------------------------------------------------
+# Fixed seed sets, so each statistic below is one number: the tests are deterministic, not flaky.
+
+DRAFT_PROBS = torch.tensor([0.30, 0.20, 0.15, 0.12, 0.10, 0.07, 0.05, 0.01])
+NUM_DRAWS = 20_000
+CHI2_7_DOF = 24.32  # chi-square with 7 degrees of freedom exceeds this with probability 0.001
+CHI2_8_DOF = 26.12
+
+
+@pytest.mark.parametrize("draft", [0, 7, None], ids=["likely-draft", "unlikely-draft", "no-draft"])
+def test_with_a_draft_the_tokens_are_still_distributed_as_p(draft):
+    tokens = drawn(DRAFT_PROBS.log(), NUM_DRAWS, draft=draft)
+    assert chi_square(tokens, DRAFT_PROBS) < CHI2_7_DOF
+    assert (frequencies(tokens, 8) - DRAFT_PROBS.double()).abs().max() < 0.01  # ~3 standard deviations
+
+
+@pytest.mark.parametrize("draft", [0, 3, 7])
+def test_a_draft_is_accepted_with_probability_p_draft(draft):
+    tokens = drawn(DRAFT_PROBS.log(), NUM_DRAWS, draft=draft)
+    p = DRAFT_PROBS[draft].item()
+    accepted = sum(t == draft for t in tokens) / NUM_DRAWS
+    assert abs(accepted - p) < 4 * math.sqrt(p * (1 - p) / NUM_DRAWS)
+
+
+def test_a_draft_is_accepted_exactly_when_the_rows_uniform_falls_in_its_mass():
+    # one uniform per (seed, position), the draft's mass first: a likelier draft is accepted on
+    # every seed a less likely one is
+    likely = drawn(DRAFT_PROBS.log(), 2000, draft=0)  # p = 0.3
+    unlikely = drawn(DRAFT_PROBS.log(), 2000, draft=1)  # p = 0.2
+    assert {s for s, t in enumerate(unlikely) if t == 1} <= {s for s, t in enumerate(likely) if t == 0}
+
+
+def test_a_greedy_row_ignores_its_draft_and_a_masked_draft_is_never_accepted():
+    logits = DRAFT_PROBS.log()
+    assert sample(logits[None], [row(temperature=0.0, draft=5)])[0].token_id == 0
+    tokens = drawn(logits, NUM_DRAWS, draft=0, masked=frozenset({0}))
+    renormalized = DRAFT_PROBS.clone()
+    renormalized[0] = 0.0
+    assert chi_square(tokens, renormalized / renormalized.sum()) < CHI2_7_DOF  # 0 is never drawn
+
+
+@pytest.mark.parametrize("draft", [None, 1024, 5], ids=["no-draft", "heavy-draft-on-a-cell-edge", "light-draft"])
+def test_draws_are_exact_across_the_inverse_cdfs_cells(draft):
+    # 3000 tokens: three 1024-token cells, the last one short. Eight tokens on cell edges hold 90%.
+    vocab, heavy = 3000, [0, 1023, 1024, 1500, 2047, 2048, 2998, 2999]
+    probs = torch.full((vocab,), 0.1 / (vocab - len(heavy)), dtype=torch.float64)
+    probs[heavy] = torch.tensor([0.2, 0.15, 0.15, 0.1, 0.1, 0.1, 0.05, 0.05], dtype=torch.float64)
+    tokens = torch.tensor(drawn(probs.float().log(), NUM_DRAWS, draft=draft))
+    binned = torch.full((vocab,), len(heavy))  # every light token in one bin
+    binned[heavy] = torch.arange(len(heavy))
+    bin_probs = torch.zeros(len(heavy) + 1, dtype=torch.float64).index_add_(0, binned, probs)
+    assert chi_square(binned[tokens].tolist(), bin_probs) < CHI2_8_DOF
+
+
+# --- through the engine (which imports here, so that the tests above run in any state of it) ---------
+
+
+def policy(max_tokens: int, **kw):
+    from pegaserve.stop import StopPolicy
+    from tests.engine.helpers import EOS_IDS
+
     return StopPolicy(max_tokens, eos_token_ids=EOS_IDS, **kw)
 
 
 def test_min_tokens_masks_eos_through_the_engine(tiny_model_dir):
+    from pegaserve.engine.engine import EngineConfig
+    from pegaserve.engine.request import EngineRequest
+    from pegaserve.stop import Eos, Token
+    from pegaserve.testing.scripted import scripted_engine
+    from tests.engine.helpers import run_to_completion, token_ids
+
     engine = scripted_engine(tiny_model_dir, {(7, 8, 9): [EOS] * 8, (5,): [17] * 8}, EngineConfig(num_blocks=32))
     engine.add_request(EngineRequest("eos", (7, 8, 9), SamplingParams(temperature=0.0), policy(8, min_tokens=3)))
     engine.add_request(
@@ -209,6 +318,11 @@ def test_min_tokens_masks_eos_through_the_engine(tiny_model_dir):
 
 
 def test_min_tokens_masks_sampled_requests_through_the_engine(tiny_model_dir):
+    from pegaserve.engine.engine import EngineConfig
+    from pegaserve.engine.request import EngineRequest
+    from pegaserve.testing.scripted import scripted_engine
+    from tests.engine.helpers import run_to_completion, token_ids
+
     # The scripted EOS holds ~85% of the probability at temperature 1; masked, it never appears.
     engine = scripted_engine(tiny_model_dir, {(7, 8, 9): [EOS] * 8}, EngineConfig(num_blocks=64))
     for seed in range(8):
@@ -222,25 +336,35 @@ def test_min_tokens_masks_sampled_requests_through_the_engine(tiny_model_dir):
     assert sum(token_ids(outputs[f"open{seed}"])[0] == EOS for seed in range(8)) >= 4
 
 
-# --- seeds through the real engine --------------------------------------------------------------------
+def sampled(request_id: str, prompt: list[int], seed: int | None, **params):
+    from pegaserve.engine.request import EngineRequest
 
-
-def sampled(request_id: str, prompt: list[int], seed: int | None, **params) -> EngineRequest:
     return EngineRequest(request_id, tuple(prompt), SamplingParams(seed=seed, **params), policy(16, ignore_eos=True))
+
+
+def load_tiny_engine(tiny_model_dir, **config):
+    from pegaserve.engine.build import load_engine
+    from pegaserve.engine.engine import EngineConfig
+
+    return load_engine(tiny_model_dir, EngineConfig(num_blocks=256, **config), attention_backend="sdpa")
 
 
 @pytest.fixture(scope="module")
 def tiny_engine(tiny_model_dir):
-    return load_engine(tiny_model_dir, EngineConfig(num_blocks=256), attention_backend="sdpa")
+    return load_tiny_engine(tiny_model_dir)
 
 
 def run_requests(engine, requests) -> dict[str, list[int]]:
+    from tests.engine.helpers import run_to_completion, token_ids
+
     for request in requests:
         engine.add_request(request)
     return {rid: token_ids(outs) for rid, outs in run_to_completion(engine).items()}
 
 
 def test_seeded_tokens_through_the_engine_do_not_depend_on_the_batch(tiny_model_dir, tiny_engine):
+    from tests.engine.helpers import PROMPTS, greedy_request
+
     target = PROMPTS[1]
     alone = run_requests(tiny_engine, [sampled("alone", target, seed=42)])["alone"]
     crowd = [sampled(f"c{i}", p, seed=100 + i) for i, p in enumerate(PROMPTS)]
@@ -248,7 +372,7 @@ def test_seeded_tokens_through_the_engine_do_not_depend_on_the_batch(tiny_model_
     batched = run_requests(tiny_engine, crowd[:4] + [sampled("mid", target, seed=42)] + crowd[4:])
     assert batched["mid"] == alone
     # joining late, into a running batch of two (so its prefill and decodes share other steps)
-    small = load_engine(tiny_model_dir, EngineConfig(num_blocks=256, max_num_seqs=2), attention_backend="sdpa")
+    small = load_tiny_engine(tiny_model_dir, max_num_seqs=2)
     late = run_requests(small, crowd[:3] + [sampled("late", target, seed=42)])
     assert late["late"] == alone
     greedy = run_requests(tiny_engine, [greedy_request("greedy", target, 16)])["greedy"]
@@ -256,5 +380,7 @@ def test_seeded_tokens_through_the_engine_do_not_depend_on_the_batch(tiny_model_
 
 
 def test_different_seeds_give_different_tokens_through_the_engine(tiny_engine):
+    from tests.engine.helpers import PROMPTS
+
     tokens = run_requests(tiny_engine, [sampled(f"s{seed}", PROMPTS[1], seed=seed) for seed in range(4)])
     assert len({tuple(t) for t in tokens.values()}) == 4
