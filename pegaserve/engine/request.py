@@ -1,40 +1,75 @@
 """The engine's vocabulary: what a request asks for, its mutable state, and what a step emits.
 
-`Request` is owned by the engine's scheduler; only its methods change it. Everything that crosses a
-boundary (`EngineRequest` in, `SampledToken`/`StepOutput` out, `Handoff` between roles) is frozen.
+`RequestState` is owned by the engine's scheduler; only its methods change it. Everything that
+crosses a boundary (`EngineRequest` in, `SampledToken`/`StepOutput` out, `Handoff` between roles)
+is frozen.
 """
 
 from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from pegaserve.stop import Length, StopCause, StopPolicy
+
+if TYPE_CHECKING:
+    from pegaserve.engine.sampler import TokenScore
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 1.0
+    """How one request samples; every default means "off". Ranges are validated at the API edge.
+    The sampler applies them in the order of pegaserve/engine/sampler.py's docstring (vLLM's)."""
+
+    temperature: float = 1.0  # below 1e-5 (vLLM's threshold): greedy
     top_p: float = 1.0
     top_k: int = 0  # 0: disabled
     seed: int | None = None
     num_top_logprobs: int = 0  # top-N alternatives returned per token; the sampled logprob always is
+    min_p: float = 0.0  # drop tokens whose probability is below min_p * the best one's
+    presence_penalty: float = 0.0  # OpenAI: subtracted once from every token the output holds
+    frequency_penalty: float = 0.0  # OpenAI: subtracted once per occurrence in the output
+    repetition_penalty: float = 1.0  # HF/vLLM: divides (logit > 0) or multiplies, over prompt + output
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token_id, bias) added to the raw logit
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # `not >=` also catches NaN; dividing by a smaller temperature can overflow fp32 logits
+        return not self.temperature >= 1e-5 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether sampling reads the output so far (and, for repetition_penalty, the prompt)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
 @dataclass(frozen=True)
 class EngineRequest:
-    """What the ingress hands an engine: token ids only (stop strings stay with the ingress)."""
+    """What the ingress hands an engine: token ids only (stop strings stay with the ingress).
+
+    `n` choices share one prefill: the prompt is computed once and each choice samples its own
+    tokens from it, choice i with seed `sampling.seed + i`. `num_prompt_logprobs` asks prefill to
+    score the prompt's tokens (None: no prompt logprobs; k: the top-k alternatives of each too).
+    """
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     policy: StopPolicy
+    n: int = 1
+    num_prompt_logprobs: int | None = None
     arrival_s: float = field(default_factory=time.time)
+
+    def choice_id(self, index: int) -> str:
+        """The engine's key of choice `index`: the request id itself when there is one choice."""
+        return self.request_id if self.n == 1 else f"{self.request_id}/{index}"
+
+    def choice_sampling(self, index: int) -> SamplingParams:
+        if index == 0 or self.sampling.seed is None:
+            return self.sampling
+        return replace(self.sampling, seed=self.sampling.seed + index)
 
 
 @dataclass(frozen=True)
@@ -46,40 +81,53 @@ class SampledToken:
 
 @dataclass(frozen=True)
 class StepOutput:
-    """One request's share of one engine step: its new tokens, and its finish if it finished.
+    """One choice's share of one engine step: its new tokens, and its finish if it finished.
 
-    When `finish` is a token-level cause (`Eos`/`Token`/`Length`), the last token is its trigger.
-    `finish_pending` marks a last token whose terminal decision has not been made yet; a consumer
-    must not show that token until a later message decides it (docs/CONTRACT.md rule 18).
+    The engine classifies every token in the step that produced it, so a token-level finish
+    (`Eos`/`Token`/`Length`) always arrives with its trigger, the last of `tokens` (rule 18 holds
+    by construction). A request whose prompt was scored carries `prompt_logprobs` on its first
+    output: one entry per prompt token, None for the first.
     """
 
     request_id: str
     tokens: tuple[SampledToken, ...]
     finish: StopCause | None = None
-    finish_pending: bool = False
+    prompt_logprobs: tuple[TokenScore | None, ...] | None = None
 
     def then(self, later: "StepOutput") -> "StepOutput":
-        """This message and a later one of the same request as one (a consumer that fell behind)."""
-        assert self.request_id == later.request_id and self.finish is None and not self.finish_pending
-        return StepOutput(self.request_id, self.tokens + later.tokens, later.finish, later.finish_pending)
+        """This message and a later one of the same choice as one (a consumer that fell behind)."""
+        assert self.request_id == later.request_id and self.finish is None
+        return StepOutput(self.request_id, self.tokens + later.tokens, later.finish,
+                          self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs)
 
 
 @dataclass(frozen=True)
 class Handoff:
-    """What prefill hands decode (rule 22): the first token, the policy and the prompt's KV blocks.
+    """What prefill hands decode (rule 22): the tokens each choice still running already has —
+    its first token, or every token given so far when a request resumes on another replica — and
+    the prompt's KV blocks, shared by those choices.
 
     `kv` is the packed prompt KV, `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`,
-    or None when decode must recompute the prompt (transfer failed or the lease expired).
+    or None when decode must recompute (transfer failed, the lease expired, or a resume).
     """
 
     request: EngineRequest
-    first_token: SampledToken
+    choices: tuple[tuple[int, tuple[SampledToken, ...]], ...]  # (choice index, its tokens so far)
     kv: object | None = None
+
+    @classmethod
+    def single(cls, request: EngineRequest, first_token: SampledToken, kv: object | None = None) -> "Handoff":
+        return cls(request, ((0, (first_token,)),), kv)
+
+    @property
+    def choice_ids(self) -> list[str]:
+        return [self.request.choice_id(index) for index, _ in self.choices]
 
 
 class Status(enum.Enum):
     WAITING = "waiting"  # queued for prefill (or for recompute after preemption)
-    RUNNING = "running"  # holds blocks, decoding
+    RECEIVING = "receiving"  # decode role: blocks allocated, the prompt's KV arriving from prefill
+    RUNNING = "running"  # holds blocks; prefilling in chunks, then decoding
     PARKED = "parked"  # prefill role: first token sampled, blocks held for export
     FINISHED = "finished"
 
@@ -88,43 +136,69 @@ class Status(enum.Enum):
 
 
 _TRANSITIONS: dict[Status, frozenset[Status]] = {
-    Status.WAITING: frozenset({Status.RUNNING, Status.FINISHED}),
+    Status.WAITING: frozenset({Status.RUNNING, Status.RECEIVING, Status.FINISHED}),
+    Status.RECEIVING: frozenset({Status.RUNNING, Status.WAITING, Status.FINISHED}),
     Status.RUNNING: frozenset({Status.WAITING, Status.PARKED, Status.FINISHED}),
     Status.PARKED: frozenset({Status.FINISHED}),
     Status.FINISHED: frozenset(),
 }
 
 
-class Request:
-    """A request's engine-side state. `num_computed_tokens` is its one progress counter: how many
-    of `all_token_ids` have their KV in the cache."""
+class RequestState:
+    """One choice's engine-side state, owned by the scheduler.
 
-    def __init__(self, spec: EngineRequest) -> None:
+    `num_computed_tokens` is its one progress counter: how many of `all_token_ids()` have their KV
+    in the cache. Its blocks are not here: the KV cache manager owns every block table.
+    """
+
+    def __init__(self, spec: EngineRequest, index: int = 0) -> None:
         self.spec = spec
+        self.index = index
+        self.request_id = spec.choice_id(index)
+        self.sampling = spec.choice_sampling(index)
         self.status = Status.WAITING
-        self.block_ids: list[int] = []  # the block table
         self.num_computed_tokens = 0
+        self.num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache (None: not looked up)
+        self.draft_token_ids: tuple[int, ...] = ()  # speculative proposals for the next step
+        self.prompt_scores: list[TokenScore | None] | None = None if spec.num_prompt_logprobs is None else [None]
+        self.forks: list[RequestState] = []  # choices waiting to share this one's prefill
         self._output: list[SampledToken] = []
+        self._output_ids: list[int] = []
         self.finish: StopCause | None = None
 
     @property
-    def request_id(self) -> str:
-        return self.spec.request_id
+    def policy(self) -> StopPolicy:
+        return self.spec.policy
 
     @property
     def output(self) -> tuple[SampledToken, ...]:
         return tuple(self._output)
 
     @property
+    def output_token_ids(self) -> tuple[int, ...]:
+        return tuple(self._output_ids)
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self._output)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.spec.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
         return len(self.spec.prompt_token_ids) + len(self._output)
 
     def all_token_ids(self) -> list[int]:
-        return [*self.spec.prompt_token_ids, *(t.token_id for t in self._output)]
+        return [*self.spec.prompt_token_ids, *self._output_ids]
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """`all_token_ids()[start:end]` without copying the whole sequence."""
+        prompt = self.spec.prompt_token_ids
+        if start >= len(prompt):
+            return self._output_ids[start - len(prompt) : end - len(prompt)]
+        return [*prompt[start:end], *self._output_ids[: max(0, end - len(prompt))]]
 
     def set_status(self, new: Status) -> None:
         assert self.status.can_become(new), f"{self.request_id}: {self.status} -> {new}"
@@ -135,6 +209,7 @@ class Request:
         A full context ends the request with `Length` when no other rule fired."""
         assert self.finish is None, "no token after the terminal one (rule 1)"
         self._output.append(token)
+        self._output_ids.append(token.token_id)
         cause = self.spec.policy.classify(token.token_id, len(self._output))
         if cause is None and self.num_tokens >= max_model_len:
             cause = Length()
