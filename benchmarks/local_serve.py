@@ -44,13 +44,10 @@ class LocalServe:
     """Ray + Serve on 127.0.0.1:`port` (0: any free port), torn down on exit."""
 
     port: int = 0
-    engine_threads: int | None = None  # None: Ray's default for 0.5 CPU, one torch thread
     deployed: list[str] = field(default_factory=list)
 
     def _engine_options(self) -> dict:
-        if self.engine_threads is None:
-            return ENGINE_OPTIONS
-        return {**ENGINE_OPTIONS, "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(self.engine_threads)}}}
+        return ENGINE_OPTIONS  # each engine's torch threads: the app's `engine.torch_threads`
 
     def __enter__(self) -> LocalServe:
         import ray  # noqa: PLC0415 - keep `--help` and the transformers-only runs light
@@ -76,22 +73,22 @@ class LocalServe:
         """Deploy the pegaserve app `args` (deployments/config.py `AppArgs`) at /`name`; its URL."""
         from ray import serve  # noqa: PLC0415
 
-        from deployments.colocated import ColocatedServer  # noqa: PLC0415
+        from deployments.colocated import Colocated  # noqa: PLC0415
         from deployments.config import AppArgs  # noqa: PLC0415
-        from deployments.decode import DecodeServer  # noqa: PLC0415
+        from deployments.decode import Decode  # noqa: PLC0415
         from deployments.ingress import Ingress  # noqa: PLC0415
-        from deployments.prefill import PrefillServer  # noqa: PLC0415
+        from deployments.prefill import Prefill  # noqa: PLC0415
 
         plain = AppArgs.model_validate(args).model_dump(mode="json")
         ingress = Ingress.options(ray_actor_options=INGRESS_OPTIONS, max_ongoing_requests=256)
         if plain["mode"] == "colocated":
-            app = ingress.bind(plain, colocated=ColocatedServer.options(
+            app = ingress.bind(plain, colocated=Colocated.options(
                 ray_actor_options=self._engine_options(), max_ongoing_requests=128).bind(plain))
         else:
-            prefill = PrefillServer.options(num_replicas=num_prefill, ray_actor_options=self._engine_options(),
-                                            max_ongoing_requests=128)
-            decode = DecodeServer.options(num_replicas=num_decode, ray_actor_options=self._engine_options(),
-                                          max_ongoing_requests=128)
+            prefill = Prefill.options(num_replicas=num_prefill, ray_actor_options=self._engine_options(),
+                                      max_ongoing_requests=128)
+            decode = Decode.options(num_replicas=num_decode, ray_actor_options=self._engine_options(),
+                                    max_ongoing_requests=128)
             app = ingress.bind(plain, prefill=prefill.bind(plain), decode=decode.bind(plain))
         serve.run(app, name=name, route_prefix=f"/{name}")
         self.deployed.append(name)

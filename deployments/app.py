@@ -7,16 +7,16 @@ from __future__ import annotations
 
 from ray.serve import Application
 
-from deployments.colocated import ColocatedServer
+from deployments.colocated import Colocated
 from deployments.config import AppArgs
-from deployments.decode import DecodeServer
+from deployments.decode import Decode
 from deployments.ingress import Ingress
-from deployments.prefill import PrefillServer
+from deployments.prefill import Prefill
 
 
 def build_app(args: dict) -> Application:
     parsed = AppArgs.model_validate(args)  # a bad config fails here, with pydantic's message
     plain = parsed.model_dump(mode="json")
     if parsed.mode == "colocated":
-        return Ingress.bind(plain, colocated=ColocatedServer.bind(plain))
-    return Ingress.bind(plain, prefill=PrefillServer.bind(plain), decode=DecodeServer.bind(plain))
+        return Ingress.bind(plain, colocated=Colocated.bind(plain))
+    return Ingress.bind(plain, prefill=Prefill.bind(plain), decode=Decode.bind(plain))

@@ -2,32 +2,24 @@
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator
-
 from ray import serve
 
-from deployments.common import build_engine, ledger_actor, replica_name, report_stats_forever
-from deployments.metrics import EngineMetrics
-from deployments.config import AppArgs
-from pegaserve.engine.async_engine import in_chunks
-from pegaserve.engine.engine import Role
-from pegaserve.engine.request import EngineRequest, StepOutput
+from deployments.channel import Address
+from deployments.engine_server import EngineServer
+from pegaserve.engine import core
+from pegaserve.engine.config import Role
+from pegaserve.engine.request import EngineRequest, SampledToken
 
 
 @serve.deployment(name="Colocated")
-class ColocatedServer:
-    async def __init__(self, args: dict) -> None:
-        self.args = AppArgs.model_validate(args)
-        self.engine = build_engine(self.args, Role.BOTH)
-        self.name = replica_name()
-        self.ledger = ledger_actor(self.args)
-        metrics = EngineMetrics(self.args.model, "Colocated", self.name)
-        self._stats_task = asyncio.create_task(report_stats_forever(self.engine, self.ledger, metrics, self.name, "both"))
+class Colocated(EngineServer):
+    def __init__(self, args: dict) -> None:
+        super().__init__(args, Role.BOTH, "Colocated")
 
-    async def generate(self, spec: EngineRequest) -> AsyncIterator[StepOutput]:
-        async for output in in_chunks(self.engine.generate(spec), self.args.stream_interval):
-            yield output
-
-    def __del__(self) -> None:
-        self.engine.shutdown()
+    async def generate(self, request: EngineRequest, reply_to: Address, tag: int,
+                       choices: tuple[tuple[int, tuple[SampledToken, ...]], ...] | None = None) -> None:
+        """Run `request` (or resume `choices` of it) and stream its tokens to `reply_to`."""
+        if choices is not None:
+            return await self._resume(request, choices, reply_to, tag)
+        choice_ids = [request.choice_id(i) for i in range(request.n)]
+        await self._serve(request, choice_ids, reply_to, tag, self.engine.call(core.AddRequest(request)))

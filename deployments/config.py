@@ -19,14 +19,33 @@ class EngineArgs(BaseModel):
     block_size: int = Field(16, ge=1, description="tokens per KV block")
     num_blocks: int = Field(2048, ge=1, description="KV blocks per replica")
     max_num_seqs: int = Field(64, ge=1, description="requests decoded together")
-    max_num_batched_tokens: int = Field(8192, ge=1, description="prompt tokens per prefill step")
+    max_num_batched_tokens: int = Field(
+        2048, ge=1, description="tokens per engine step; longer prompts are prefilled in chunks of this size")
     max_queued_requests: int = Field(1024, ge=1, description="waiting requests per replica before 429")
     max_model_len: int | None = Field(None, ge=2, description="context length; default: the model's")
     attention_backend: Literal["auto", "sdpa", "triton"] = "auto"
     device: Literal["cpu", "cuda"] = "cpu"
-    torch_threads: int | None = Field(
-        None, ge=1, description="intra-op threads per replica; None: Ray's default (its num_cpus, at least 1)"
-    )
+    torch_threads: int = Field(1, ge=1, description="intra-op threads of each replica's engine process")
+    enable_prefix_caching: bool = Field(True, description="reuse the KV of cached prompt prefixes")
+    separate_process: bool = Field(
+        True, description="run each replica's engine loop in a process of its own (off its replica's GIL)")
+
+
+class SpeculativeArgs(BaseModel):
+    """n-gram (prompt-lookup) speculative decoding, as vLLM's `ngram` method."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: Literal["ngram"] = "ngram"
+    num_draft_tokens: int = Field(4, ge=1, le=16, description="tokens proposed per step and verified in one")
+    prompt_lookup_min: int = Field(2, ge=1, description="shortest n-gram to match")
+    prompt_lookup_max: int = Field(4, ge=1, description="longest n-gram to match (tried first)")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "SpeculativeArgs":
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_min must be at most prompt_lookup_max")
+        return self
 
 
 class LimitsArgs(BaseModel):
@@ -65,12 +84,11 @@ class AppArgs(BaseModel):
         f"{API_KEYS_ENV} (comma-separated) adds keys without writing them into the YAML",
     )
     max_inflight_requests: int | None = Field(512, ge=1, description="per ingress replica, before 429")
-    fault_delay_kv_send_s: float = Field(0.0, ge=0, description="tests only: prefill waits this long before a send")
+    max_migrations: int = Field(
+        2, ge=0, description="times a request resumes on another decode replica after its replica died")
     engine: EngineArgs = EngineArgs()
+    speculative: SpeculativeArgs | None = Field(None, description="speculative decoding (off by default)")
     limits: LimitsArgs = LimitsArgs()
-    script: dict[str, list[int]] | None = Field(
-        None, description="tests only: prompt ids (comma-separated) -> scripted tokens; replaces the weights"
-    )
 
     @field_validator("model")
     @classmethod
@@ -101,7 +119,3 @@ class AppArgs(BaseModel):
         extra = [k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
         return tuple(dict.fromkeys([*self.api_keys, *extra]))
 
-    def parsed_script(self) -> dict[tuple[int, ...], list[int]] | None:
-        if self.script is None:
-            return None
-        return {tuple(int(t) for t in key.split(",")): value for key, value in self.script.items()}

@@ -79,11 +79,26 @@ class TransferMetrics:
         self.bytes = Counter("pegaserve_kv_transfer_bytes_total", "KV bytes moved prefill -> decode", tags)
         self.seconds = Histogram("pegaserve_kv_transfer_seconds", "KV transfer time", LATENCY_BUCKETS_S, tags)
         self.fallbacks = Counter("pegaserve_kv_fallbacks_total", "decode recomputed the prompt", tags)
+        self.cached_bytes = Counter("pegaserve_kv_transfer_cached_bytes_total",
+                                    "prompt KV decode already held in its prefix cache (not moved)", tags)
 
-    def transferred(self, transport: str, kv_bytes: int, seconds: float) -> None:
+    def transferred(self, transport: str, kv_bytes: int, seconds: float, cached_bytes: int = 0) -> None:
         tags = {**self.base, "transport": transport}
-        self.bytes.inc(kv_bytes, tags)
+        if kv_bytes:
+            self.bytes.inc(kv_bytes, tags)
+        if cached_bytes:
+            self.cached_bytes.inc(cached_bytes, tags)
         self.seconds.observe(seconds, tags)
 
     def fallback(self, transport: str) -> None:
         self.fallbacks.inc(1, {**self.base, "transport": transport})
+
+
+class MigrationMetrics:
+    """Requests that resumed on another replica after theirs failed mid-stream."""
+
+    def __init__(self) -> None:
+        self.migrations = Counter("pegaserve_migrations_total", "requests resumed on another replica", ())
+
+    def migrated(self) -> None:
+        self.migrations.inc()

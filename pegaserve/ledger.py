@@ -13,14 +13,18 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pegaserve.stop import Eos, StopCause, String, Token, cause_kind, finish_reason, stop_reason, triggering_token
+from pegaserve.stop import Eos, Error, StopCause, String, Token, cause_kind, finish_reason, stop_reason, triggering_token
 
 
 @dataclass(frozen=True)
 class Arrived:
+    """A choice reached the frontend. The choices of one prompt share its prefill: the first
+    accounts for the prompt's tokens, the others for 0, so records sum to the usage."""
+
     request_id: str
     prompt_tokens: int
     max_tokens: int
+    client_request_id: str | None = None  # the client's X-Request-Id: a correlation label, not a key
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,7 @@ class KvReceived:
     kv_bytes: int
     seconds: float
     decode_replica: str
+    cached_bytes: int = 0  # prompt KV decode already held in its prefix cache: not moved
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,17 @@ class Fallback:
     request_id: str
     reason: str
     decode_replica: str
+
+
+@dataclass(frozen=True)
+class Migrated:
+    """The replica generating the request died (or its stream broke) after `num_tokens` tokens;
+    the request resumed on another replica, from exactly those tokens."""
+
+    request_id: str
+    from_replica: str
+    num_tokens: int
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -75,19 +91,21 @@ class Finished:
     completion_tokens: int
 
 
-LedgerEvent = Arrived | Prefilled | KvSent | KvReceived | Fallback | TokensCommitted | Finished
+LedgerEvent = Arrived | Prefilled | KvSent | KvReceived | Fallback | Migrated | TokensCommitted | Finished
 
 
 @dataclass
 class _Record:
     request_id: str
     events: list[tuple[str, float, str]] = field(default_factory=list)  # (name, t, component)
+    client_request_id: str | None = None
     prompt_tokens: int | None = None
     committed_token_ids: list[int] = field(default_factory=list)
     first_token: tuple[int, float] | None = None
     kv_sent: KvSent | None = None
     kv_received: KvReceived | None = None
     fallback: Fallback | None = None
+    migrations: list[Migrated] = field(default_factory=list)
     finished: Finished | None = None
     violations: list[str] = field(default_factory=list)
 
@@ -145,8 +163,9 @@ class Ledger:
 
     def _apply(self, rec: _Record, event: LedgerEvent) -> None:
         match event:
-            case Arrived(prompt_tokens=n):
+            case Arrived(prompt_tokens=n, client_request_id=client_id):
                 rec.prompt_tokens = n
+                rec.client_request_id = client_id
             case Prefilled(first_token_id=token_id, first_logprob=logprob):
                 rec.first_token = (token_id, logprob)
             case KvSent():
@@ -155,6 +174,8 @@ class Ledger:
                 rec.kv_received = event
             case Fallback():
                 rec.fallback = event
+            case Migrated():
+                rec.migrations.append(event)
             case TokensCommitted(token_ids=ids):
                 rec.committed_token_ids += ids
             case Finished():
@@ -182,6 +203,16 @@ class Ledger:
                 break  # keep in-flight records unless something is badly wrong
             self._records.popitem(last=False)
             self._num_evicted += 1
+
+    def end_orphans(self, owners: set[str], reason: str) -> int:
+        """End the in-flight records whose ingress (the component that recorded their arrival) is
+        gone: an `Error` finish with what was committed so far. Returns how many were ended."""
+        orphans = [r for r in self._records.values() if r.finished is None and r.events and r.events[0][2] in owners]
+        for rec in orphans:
+            event = Finished(rec.request_id, Error(reason), rec.prompt_tokens or 0, len(rec.committed_token_ids))
+            rec.events.append(("finished", time.time(), "ledger"))
+            self._finish(rec, event)
+        return len(orphans)
 
     def get(self, request_id: str) -> dict | None:
         rec = self._records.get(request_id)
@@ -223,7 +254,7 @@ def _status(cause: StopCause) -> str:
 def _event_name(event: LedgerEvent) -> str:
     return {
         Arrived: "arrived", Prefilled: "prefilled", KvSent: "kv_sent", KvReceived: "kv_received",
-        Fallback: "fallback", TokensCommitted: "tokens_committed", Finished: "finished",
+        Fallback: "fallback", Migrated: "migrated", TokensCommitted: "tokens_committed", Finished: "finished",
     }[type(event)]
 
 
@@ -240,6 +271,7 @@ def _handoff(rec: _Record) -> dict | None:
         "prefill_replica": sent.prefill_replica if sent else None,
         "decode_replica": (received or fallback or sent).decode_replica,
         "fallback": fallback.reason if fallback else None,
+        "cached_bytes": received.cached_bytes if received else 0,
     }
 
 
@@ -248,6 +280,7 @@ def _to_json(rec: _Record) -> dict:
     cause = fin.cause if fin else None
     return {
         "request_id": rec.request_id,
+        "client_request_id": rec.client_request_id,
         "status": _status(cause) if cause else "in_flight",
         "prompt_tokens": fin.prompt_tokens if fin else rec.prompt_tokens,
         "completion_tokens": fin.completion_tokens if fin else len(rec.committed_token_ids),
@@ -260,6 +293,8 @@ def _to_json(rec: _Record) -> dict:
         },
         "first_token": None if rec.first_token is None else {"id": rec.first_token[0], "logprob": rec.first_token[1]},
         "handoff": _handoff(rec),
+        "migrations": [{"from_replica": m.from_replica, "num_tokens": m.num_tokens, "reason": m.reason}
+                       for m in rec.migrations],
         "events": [{"name": n, "t": t, "component": c} for n, t, c in rec.events],
         "violations": list(rec.violations),
     }

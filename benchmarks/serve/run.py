@@ -120,11 +120,12 @@ def bench_local_serve(keys: list[str], prompts, levels, slo: Slo, budget_s: floa
     from benchmarks.local_serve import LocalServe  # noqa: PLC0415
 
     results = []
-    with LocalServe(engine_threads=engine_threads) as local:
+    with LocalServe() as local:
         for key in keys:
             start = time.perf_counter()
             args = {"model": MODEL, "mode": "colocated" if key == "colocated" else "pd", "transport": "gloo",
-                    "ledger_journal": None, "stream_interval": stream_interval}
+                    "ledger_journal": None, "stream_interval": stream_interval,
+                    "engine": {"torch_threads": engine_threads or 1}}
             url = local.deploy(key, args)
             setup_s = time.perf_counter() - start
             print(f"{SYSTEM_NAMES[key]}: deployed at {url} in {setup_s:.0f}s", flush=True)

@@ -1,4 +1,4 @@
-"""What the ingress talks to: an engine client and a ledger client, colocated or across Ray.
+"""What the frontend talks to: an engine client and a ledger client, in process or across Ray.
 
 The P/D deployments implement the same two interfaces, so the HTTP app is one and the same.
 """
@@ -16,8 +16,13 @@ from pegaserve.ledger import Ledger, LedgerEvent
 class EngineClient(ABC):
     @abstractmethod
     def generate(self, request: EngineRequest) -> AsyncIterator[StepOutput]:
-        """The request's step outputs until it finishes. Closing the iterator early aborts the
-        request on whichever replica holds it."""
+        """The outputs of every choice of `request` (ids `request.choice_id(i)`), interleaved, until
+        all have finished; each choice's first output carries the prompt logprobs if asked for.
+        Closing the iterator early aborts whatever still runs, on whichever replica holds it."""
+
+    @abstractmethod
+    def abort(self, choice_id: str) -> None:
+        """Stop one choice now (a stop string fired in it); the others go on."""
 
     async def stats(self) -> dict:
         return {}
@@ -43,8 +48,11 @@ class LocalEngineClient(EngineClient):
     def generate(self, request: EngineRequest) -> AsyncIterator[StepOutput]:
         return self.engine.generate(request)
 
+    def abort(self, choice_id: str) -> None:
+        self.engine.abort(choice_id)
+
     async def stats(self) -> dict:
-        stats = await self.engine.call(lambda engine: engine.stats())
+        stats = await self.engine.stats()
         return {"colocated": [stats.__dict__]}
 
 

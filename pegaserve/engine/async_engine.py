@@ -65,6 +65,7 @@ class AsyncEngine:
         self._next_key = 0
         self._streams: dict[str, asyncio.Queue[StepOutput]] = {}  # choice id -> its request's stream
         self._started = False
+        self.on_dead: Callable[[BaseException], None] | None = None  # told when the loop is gone
 
     @classmethod
     def in_thread(cls, engine: Engine, on_step: StepSink | None = None) -> "AsyncEngine":
@@ -122,6 +123,8 @@ class AsyncEngine:
         self._calls.clear()
         outputs = [StepOutput(choice_id, (), Error(str(error))) for choice_id in list(self._streams)]
         self._publish(outputs)
+        if self.on_dead is not None:
+            self.on_dead(error)
 
     # --- requests --------------------------------------------------------------------------------
 

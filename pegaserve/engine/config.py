@@ -34,7 +34,7 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int = 2048
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 8192  # tokens per step; longer prompts are prefilled in chunks
+    max_num_batched_tokens: int = 2048  # tokens per step; longer prompts are prefilled in chunks
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_queued_requests: int = 1024  # waiting requests past this are refused (EngineOverloaded)
     enable_prefix_caching: bool = True

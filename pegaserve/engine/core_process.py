@@ -11,6 +11,7 @@ was in flight (`EngineDead`), and its health check fails.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import pickle
@@ -52,10 +53,17 @@ class EngineSpec:
     builder_args: tuple = ()
 
 
-def build_engine_from_spec(spec: EngineSpec, kv_cache: torch.Tensor):
+def build_engine_from_spec(spec: EngineSpec, kv_cache: torch.Tensor | None):
     from pegaserve.engine.build import load_engine  # noqa: PLC0415 - the child's import
 
     return load_engine(spec.model_dir, spec.config, spec.attention_backend, spec.device, kv_cache=kv_cache)
+
+
+def build_engine(spec: EngineSpec, kv_cache: torch.Tensor | None = None):
+    """The engine `spec.builder` makes (on `kv_cache` when given: the shared one)."""
+    module, _, name = spec.builder.partition(":")
+    builder = getattr(importlib.import_module(module), name)
+    return builder(spec, kv_cache, *spec.builder_args)
 
 
 # --- framing -------------------------------------------------------------------------------------
@@ -193,10 +201,8 @@ def _child_main(fd: int) -> None:
         numel *= n
     kv_cache = torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
     torch.set_num_threads(spec.torch_threads)
-    module, _, name = spec.builder.partition(":")
-    builder = getattr(__import__(module, fromlist=[name]), name)
     try:
-        core = EngineCore(builder(spec, kv_cache, *spec.builder_args))
+        core = EngineCore(build_engine(spec, kv_cache))
     except Exception as exc:
         _send(sock, ("failed", f"{type(exc).__name__}: {exc}"), lock)
         raise

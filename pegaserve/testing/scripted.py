@@ -85,3 +85,8 @@ def scripted_engine(model_dir, script: Mapping[Sequence[int], Sequence[int]], co
     from pegaserve.engine.engine import Engine, EngineConfig  # noqa: PLC0415 - the engine imports nothing of ours
 
     return Engine(ScriptedModel(ModelConfig.from_dir(model_dir), script), config or EngineConfig(), kv_cache=kv_cache)
+
+
+def build_from_spec(spec, kv_cache, script):
+    """`EngineSpec.builder` for an engine process running the scripted model."""
+    return scripted_engine(spec.model_dir, script, spec.config, kv_cache)

@@ -10,11 +10,12 @@ import httpx
 import ray
 from ray import serve
 
-from deployments.colocated import ColocatedServer
+from deployments.colocated import Colocated
 from deployments.config import AppArgs
-from deployments.decode import DecodeServer
+from deployments.decode import Decode
 from deployments.ingress import Ingress
-from deployments.prefill import PrefillServer
+from deployments.prefill import Prefill
+from pegaserve.testing.hook import as_env
 
 HTTP_PORT = 8123  # not 8000: a developer's `make serve` may be running
 METRICS_PORT = 8124
@@ -31,15 +32,24 @@ def start_ray(**init_kwargs) -> None:
 
 
 def deploy(name: str, args: dict, num_prefill: int = 1, num_decode: int = 1, actor_options: dict = SMALL,
-           prefill_options: dict | None = None, decode_options: dict | None = None) -> str:
-    """Deploy one pegaserve app at /<name>; returns its base URL."""
+           prefill_options: dict | None = None, decode_options: dict | None = None,
+           doubles: dict | None = None) -> str:
+    """Deploy one pegaserve app at /<name>; returns its base URL. `doubles` (the keywords of
+    `pegaserve.testing.hook.as_env`) puts test doubles into the engine replicas."""
     plain = AppArgs.model_validate({"ledger_journal": JOURNAL, **args}).model_dump(mode="json")
     ingress = Ingress.options(ray_actor_options=actor_options)
+
+    def engine_options(options: dict | None) -> dict:
+        options = dict(options or actor_options)
+        if doubles is not None:
+            options["runtime_env"] = {"env_vars": as_env(**doubles)}
+        return options
+
     if plain["mode"] == "colocated":
-        app = ingress.bind(plain, colocated=ColocatedServer.options(ray_actor_options=actor_options).bind(plain))
+        app = ingress.bind(plain, colocated=Colocated.options(ray_actor_options=engine_options(None)).bind(plain))
     else:
-        prefill = PrefillServer.options(num_replicas=num_prefill, ray_actor_options=prefill_options or actor_options)
-        decode = DecodeServer.options(num_replicas=num_decode, ray_actor_options=decode_options or actor_options)
+        prefill = Prefill.options(num_replicas=num_prefill, ray_actor_options=engine_options(prefill_options))
+        decode = Decode.options(num_replicas=num_decode, ray_actor_options=engine_options(decode_options))
         app = ingress.bind(plain, prefill=prefill.bind(plain), decode=decode.bind(plain))
     serve.run(app, name=name, route_prefix=f"/{name}")
     url = f"{BASE}/{name}"

@@ -114,7 +114,7 @@ def test_prefill_killed_during_handoff_decode_recomputes(ray_url_with_slow_send)
 
     thread = threading.Thread(target=request)
     thread.start()
-    time.sleep(1.0)  # prefill has answered; its send is held back by fault_delay_kv_send_s
+    time.sleep(1.0)  # prefill has answered; its send is held back by the delay_kv_send_s double
     ray.kill(replica_actor("slowsend", "Prefill"), no_restart=True)
     thread.join(timeout=120)
     response = result["response"]
@@ -126,7 +126,7 @@ def test_prefill_killed_during_handoff_decode_recomputes(ray_url_with_slow_send)
 
 @pytest.fixture
 def ray_url_with_slow_send(url):
-    slow = deploy("slowsend", {"transport": "gloo", "fault_delay_kv_send_s": 4.0, "engine": {"num_blocks": 256}})
+    slow = deploy("slowsend", {"transport": "gloo", "engine": {"num_blocks": 256}}, doubles={"delay_kv_send_s": 4.0})
     yield slow
     serve.delete("slowsend")
 

@@ -33,8 +33,7 @@ def ray_serve():
 
 @pytest.fixture(scope="module")
 def contract_url(ray_serve, tiny_model_dir):
-    script = {",".join(map(str, k)): list(v) for k, v in cases.script(Tokenizer(tiny_model_dir)).items()}
-    return deploy("contract", {"script": script, "transport": "gloo"})
+    return deploy("contract", {"transport": "gloo"}, doubles={"script": cases.script(Tokenizer(tiny_model_dir))})
 
 
 @pytest.fixture(scope="module")

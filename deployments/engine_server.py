@@ -1,0 +1,59 @@
+"""What Decode and Colocated replicas share: a request's tokens go to the ingress that asked, in
+per-step batches (`TokenRouter`), while the Serve call that started it stays open until it is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+
+from deployments.channel import Address
+from deployments.config import AppArgs
+from deployments.metrics import EngineMetrics
+from deployments.replica import check_engine, ledger_buffer, post_stats_forever, replica_name, start_engine
+from deployments.tokens import TokenRouter
+from pegaserve.engine import core
+from pegaserve.engine.config import Role
+from pegaserve.engine.request import EngineRequest, Handoff, SampledToken
+
+
+class EngineServer:
+    def __init__(self, args: dict, role: Role, deployment: str) -> None:
+        self.args = AppArgs.model_validate(args)
+        self.name = replica_name()
+        self.router = TokenRouter(self.name, on_abort=self._abort)
+        self.engine = start_engine(self.args, role, on_step=self.router.on_step)
+        self.engine.on_dead = self.router.fail
+        self.ledger = ledger_buffer(self.args, self.name)
+        metrics = EngineMetrics(self.args.model, deployment, self.name)
+        self._stats = asyncio.ensure_future(post_stats_forever(self.engine, metrics, self.name, role.value))
+
+    def _abort(self, choice_id: str) -> None:
+        self.engine.abort(choice_id)
+
+    async def _serve(self, request: EngineRequest, choice_ids: list[str], reply_to: Address, tag: int,
+                     admit: Awaitable) -> None:
+        """Route the choices' outputs to `reply_to`, admit the request, return once every choice has
+        finished. Cancelled (the ingress gave up): the request is aborted; its admission still runs
+        to its end (a KV transfer is never cut in the middle)."""
+        done = self.router.route(choice_ids, reply_to, tag)
+        admitted = asyncio.ensure_future(admit)
+        try:
+            await asyncio.shield(admitted)
+            await done
+        finally:
+            if not done.done():
+                self.router.unroute(choice_ids)
+                self.engine.abort(request.request_id)
+
+    async def _resume(self, request: EngineRequest, choices: tuple[tuple[int, tuple[SampledToken, ...]], ...],
+                      reply_to: Address, tag: int) -> None:
+        """Continue choices that already have tokens (their replica died): recomputed here."""
+        handoff = Handoff(request, choices)
+        await self._serve(request, handoff.choice_ids, reply_to, tag, self.engine.call(core.AddHandoff(handoff)))
+
+    async def check_health(self) -> None:
+        check_engine(self.engine)
+
+    def __del__(self) -> None:
+        self.engine.shutdown()

@@ -1,0 +1,65 @@
+"""The handoff's messages. A `Lease` travels prefill -> ingress -> decode in ordinary Serve calls;
+the rest travel on the direct connection between a decode and a prefill replica, one exchange at a
+time, so the blocking send/recv of a pair channel happen in the same order on both sides."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from deployments.channel import Address
+
+
+@dataclass(frozen=True)
+class Lease:
+    """What decode needs to claim a prompt's KV from the prefill replica holding it."""
+
+    request_id: str
+    prefill_replica: str
+    address: Address  # the prefill replica's KV server
+    kv_shape: tuple[int, ...]  # the whole prompt, packed: [layers, 2, blocks, block_size, kv_heads, head_dim]
+    kv_dtype: str
+    block_bytes: int  # one block across every layer, K and V
+    kv_ref: list | None = None  # object store: [ObjectRef] of the packed prompt (wrapped: Ray must not resolve it)
+
+    def shape_from(self, first_block: int) -> tuple[int, ...]:
+        shape = list(self.kv_shape)
+        shape[2] -= first_block
+        return tuple(shape)
+
+
+@dataclass(frozen=True)
+class OpenPair:
+    """Decode asks for a pair channel (gloo/nccl) on this connection."""
+
+    group_name: str
+
+
+@dataclass(frozen=True)
+class PairOffer:
+    """Prefill's answer: where the pair's rendezvous listens (gloo: its TCPStore)."""
+
+    host: str
+    port: int
+
+
+@dataclass(frozen=True)
+class Fetch:
+    """Send the prompt's blocks from `first_block` on (decode has the ones before in its cache)."""
+
+    request_id: str
+    first_block: int
+
+
+@dataclass(frozen=True)
+class FetchReply:
+    ok: bool
+    reason: str = ""
+    kv_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class ReleaseLease:
+    """The ingress will not continue the request (its first token was terminal after all, the
+    client left): free the blocks now rather than at the lease's expiry."""
+
+    request_id: str

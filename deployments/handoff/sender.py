@@ -1,0 +1,120 @@
+"""The prefill side of the handoff: a KV server that decode replicas (fetches) and ingress
+replicas (releases) connect to directly.
+
+Leases are the engine's parked requests: the engine keeps their blocks, renews a lease when a
+fetch claims it and frees it when it expires; this server keeps no table of its own. Each
+connection's messages are served strictly in order, so a pair channel's sends happen in the order
+its receiver expects. The blocks are read straight from the KV cache the engine process shares
+with this replica — the engine loop is not asked to copy anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import ray
+import torch
+
+from deployments.channel import Address, Connection, Listener
+from deployments.handoff.protocol import Fetch, FetchReply, Lease, OpenPair, PairOffer, ReleaseLease
+from deployments.handoff.transports import GlooPair, NcclPair, PairChannel, kv_as_bytes
+from pegaserve.engine import core
+from pegaserve.engine.async_engine import AsyncEngine
+from pegaserve.ledger import KvSent
+
+log = logging.getLogger("ray.serve")
+
+
+class KvSender:
+    def __init__(self, engine: AsyncEngine, name: str, transport: str, timeout_s: float, ledger,
+                 delay_send_s: float = 0.0) -> None:
+        self.engine = engine
+        self.name = name
+        self.transport = transport
+        self.timeout_s = timeout_s
+        self.ledger = ledger
+        self.delay_send_s = delay_send_s  # a test double's fault: hold every send back this long
+        self._listener = Listener(self._serve)
+        self.num_pairs = 0
+
+    async def start(self) -> Address:
+        return await self._listener.start()
+
+    @property
+    def serving(self) -> bool:
+        return self._listener.serving
+
+    async def lease(self, request_id: str) -> Lease:
+        """The lease of a parked request. With the object store, its KV goes there now and the
+        blocks are freed at once; otherwise they stay parked until a fetch sends them."""
+        block_ids = await self.engine.parked_blocks(request_id)
+        cache = self.engine.kv_cache
+        shape = (cache.shape[0], 2, len(block_ids), *cache.shape[3:])
+        dtype = str(cache.dtype).removeprefix("torch.")
+        kv_ref = None
+        if self.transport == "object_store":
+            packed = await asyncio.to_thread(_pack, cache, block_ids)
+            kv_ref = [ray.put(kv_as_bytes(packed))]
+            self.engine.release(request_id)
+        block_bytes = cache[:, :, 0].numel() * cache.element_size()
+        return Lease(request_id, self.name, self._listener.address, shape, dtype, block_bytes, kv_ref)
+
+    async def _serve(self, connection: Connection) -> None:
+        """One peer's messages, in order."""
+        pair: PairChannel | None = None
+        while (message := await connection.recv()) is not None:
+            match message:
+                case ReleaseLease(request_id):
+                    self.engine.release(request_id)
+                case OpenPair(group_name):
+                    pair = await self._open_pair(connection, group_name)
+                case Fetch():
+                    if not await self._send(connection, pair, message):
+                        return  # the pair may be out of step: the peer starts over on a new connection
+                case _:
+                    log.warning("unexpected handoff message %r from %s", message, connection.peer)
+
+    async def _open_pair(self, connection: Connection, group_name: str) -> PairChannel:
+        if self.transport == "nccl":
+            connection.send(PairOffer("", 0))
+            pair = await asyncio.to_thread(NcclPair, group_name, 0)
+        else:
+            store = await asyncio.to_thread(GlooPair.offer, self.timeout_s)
+            connection.send(PairOffer(ray.util.get_node_ip_address(), store.port))
+            pair = await asyncio.wait_for(asyncio.to_thread(GlooPair, store, 0, self.timeout_s), self.timeout_s)
+        self.num_pairs += 1
+        return pair
+
+    async def _send(self, connection: Connection, pair: PairChannel | None, fetch: Fetch) -> bool:
+        start = time.perf_counter()
+        block_ids = await self.engine.call(core.ClaimParked(fetch.request_id))
+        if block_ids is None or pair is None:
+            connection.send(FetchReply(False, "lease expired or unknown" if block_ids is None else "no pair channel"))
+            return pair is not None
+        try:
+            if self.delay_send_s:
+                await asyncio.sleep(self.delay_send_s)
+            packed = await asyncio.to_thread(_pack, self.engine.kv_cache, block_ids[fetch.first_block :])
+            kv_bytes = packed.numel() * packed.element_size()
+            connection.send(FetchReply(True, kv_bytes=kv_bytes))
+            # shielded: once announced, the send completes even if this replica is told to stop,
+            # so the pair's two sides never disagree about what was sent
+            await asyncio.shield(asyncio.wait_for(asyncio.to_thread(pair.send, packed), self.timeout_s))
+        except Exception:
+            log.exception("KV send of %s failed", fetch.request_id)
+            self.engine.release(fetch.request_id)  # decode recomputes
+            return False
+        self.engine.release(fetch.request_id)  # the matching recv is decode's acknowledgement
+        self.ledger.record([KvSent(fetch.request_id, self.transport, kv_bytes, time.perf_counter() - start,
+                                   self.name, connection.peer)])
+        return True
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+def _pack(cache: torch.Tensor, block_ids) -> torch.Tensor:
+    """`[layers, 2, len(block_ids), block_size, kv_heads, head_dim]`, contiguous."""
+    return cache.index_select(2, torch.tensor(list(block_ids), device=cache.device))

@@ -1,0 +1,97 @@
+"""What every engine replica shares: its engine (in a process of its own), its name, its health
+check, and the loop that posts its stats and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import torch
+from ray import serve
+
+from deployments.config import AppArgs
+from deployments.ledger import LedgerBuffer, ledger_actor, stats_board
+from deployments.metrics import EngineMetrics
+from pegaserve.default_model import ensure_model_dir
+from pegaserve.engine.async_engine import AsyncEngine, StepSink
+from pegaserve.engine.config import EngineConfig, Role, SpeculativeConfig
+from pegaserve.engine.core_process import EngineSpec, ProcessTransport, build_engine
+from pegaserve.testing.hook import active_doubles
+
+log = logging.getLogger("ray.serve")
+STALL_S = 60.0  # work waiting and no step for this long: the replica is unhealthy
+
+
+class EngineUnhealthy(RuntimeError):
+    pass
+
+
+def engine_config(args: AppArgs, role: Role) -> EngineConfig:
+    e, s = args.engine, args.speculative
+    return EngineConfig(
+        role=role,
+        block_size=e.block_size,
+        num_blocks=e.num_blocks,
+        max_num_seqs=e.max_num_seqs,
+        max_num_batched_tokens=e.max_num_batched_tokens,
+        max_model_len=e.max_model_len,
+        max_queued_requests=e.max_queued_requests,
+        enable_prefix_caching=e.enable_prefix_caching,
+        speculative=None if s is None else SpeculativeConfig(s.method, s.num_draft_tokens, s.prompt_lookup_min,
+                                                            s.prompt_lookup_max),
+        lease_timeout_s=args.lease_timeout_s,
+    )
+
+
+def start_engine(args: AppArgs, role: Role, on_step: StepSink | None = None) -> AsyncEngine:
+    """The replica's engine: in its own process by default. A scripted model replaces the weights
+    when the test-doubles hook says so (`pegaserve.testing.hook`)."""
+    spec = EngineSpec(str(ensure_model_dir(args.model)), engine_config(args, role), args.engine.attention_backend,
+                      args.engine.device, args.engine.torch_threads)
+    doubles = active_doubles()
+    if doubles is not None and doubles.script is not None:
+        spec = EngineSpec(spec.model_dir, spec.config, spec.attention_backend, spec.device, spec.torch_threads,
+                          builder="pegaserve.testing.scripted:build_from_spec", builder_args=(doubles.script,))
+    if args.engine.separate_process:
+        return AsyncEngine(ProcessTransport(spec), on_step)
+    torch.set_num_threads(spec.torch_threads)
+    return AsyncEngine.in_thread(build_engine(spec), on_step)
+
+
+def replica_name() -> str:
+    """`app/Deployment#id`: unique per replica, stable for its life, readable in the ledger."""
+    context = serve.get_replica_context()
+    return f"{context.app_name}/{context.deployment}#{context.replica_id.unique_id}"
+
+
+def app_name() -> str:
+    return serve.get_replica_context().app_name
+
+
+def ledger_buffer(args: AppArgs, component: str) -> LedgerBuffer:
+    return LedgerBuffer(ledger_actor(args.ledger_max_records, args.ledger_journal), component)
+
+
+def check_engine(engine: AsyncEngine) -> None:
+    """Serve's health check: fails (so Serve replaces the replica) when the engine loop is gone or
+    has work waiting and has not stepped for `STALL_S`."""
+    health = engine.health()
+    if not health.alive:
+        raise EngineUnhealthy("the engine loop is not running")
+    if health.has_work and health.seconds_since_step > STALL_S:
+        raise EngineUnhealthy(f"the engine has work but has not stepped for {health.seconds_since_step:.0f} s")
+
+
+async def post_stats_forever(engine: AsyncEngine, metrics: EngineMetrics, name: str, role: str,
+                             extra=dict, period_s: float = 1.0) -> None:
+    """Every `period_s`: this replica's engine stats to the stats board (for /admin/stats, which
+    must see every replica) and to the Ray metrics gauges."""
+    board = stats_board()
+    while True:
+        try:
+            stats = await engine.stats()
+            metrics.update(stats)
+            board.post.remote(name, {**stats.__dict__, "role": role, **extra()})
+        except Exception:  # a dead engine fails the health check; this loop only reports
+            log.warning("posting the engine stats failed", exc_info=True)
+        await asyncio.sleep(period_s)
