@@ -21,7 +21,8 @@ from pathlib import Path
 import httpx
 import psutil
 
-HOST = "127.0.0.1"
+from benchmarks.local_serve import HOST, free_port
+
 MODEL = "qwen3-tiny"
 PEGASERVE_PORT = 8000  # configs/cluster.yaml's http_options
 STOP_TIMEOUT_S = 60.0
@@ -48,12 +49,6 @@ class Launch:
     @property
     def url(self) -> str:
         return f"http://{HOST}:{self.port}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def port_in_use(port: int) -> bool:
