@@ -2,7 +2,7 @@
 
 The yardstick for the handoff figures in `benchmarks.kv.run`: the same number of bytes, moved the way the
 transport moves them, without Serve, leases, the KV port or the engine around it.
-- gloo: `deployments.transport.GlooPair` (torch.distributed ProcessGroupGloo over TCP, 127.0.0.1),
+- gloo: `deployments.handoff.transports.GlooPair` (torch.distributed ProcessGroupGloo over TCP, 127.0.0.1),
   one tensor send on rank 0, the matching recv on rank 1, timed on the receiver.
 - object_store: `ray.put` in one actor, `ray.get` in the other; put and get are timed each and
   reported as their sum (the handoff does both on its critical path). Measured for a torch tensor
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import statistics
 import time
-import uuid
 from dataclasses import dataclass
 
 import ray
@@ -41,10 +40,18 @@ class RawFigure:
 
 @ray.remote
 class GlooEnd:
-    def open(self, group: str, rank: int) -> None:
-        from deployments.transport import GlooPair  # noqa: PLC0415
+    def offer(self) -> tuple[str, int]:
+        """Rank 0: open the pair's rendezvous, as prefill does; where rank 1 joins it."""
+        from deployments.handoff.transports import GlooPair  # noqa: PLC0415
 
-        self.pair = GlooPair(group, rank, TIMEOUT_S)
+        self.store = GlooPair.offer(TIMEOUT_S)
+        return ray.util.get_node_ip_address(), self.store.port
+
+    def open(self, rank: int, host: str | None = None, port: int | None = None) -> None:
+        from deployments.handoff.transports import GlooPair  # noqa: PLC0415
+
+        store = self.store if rank == 0 else GlooPair.join(host, port, TIMEOUT_S)
+        self.pair = GlooPair(store, rank, TIMEOUT_S)
 
     def send(self, num_bytes: int, repeats: int) -> None:
         tensor = torch.ones(num_bytes // 4, dtype=torch.float32)
@@ -81,8 +88,8 @@ class StoreEnd:
 
 def gloo_bandwidth(sizes: list[int], repeats: int, warmup: int = 2) -> list[RawFigure]:
     sender, receiver = GlooEnd.options(**ACTOR_OPTIONS).remote(), GlooEnd.options(**ACTOR_OPTIONS).remote()
-    group = f"bench-raw-{uuid.uuid4().hex[:8]}"
-    ray.get([sender.open.remote(group, 0), receiver.open.remote(group, 1)], timeout=TIMEOUT_S)
+    host, port = ray.get(sender.offer.remote(), timeout=TIMEOUT_S)
+    ray.get([sender.open.remote(0), receiver.open.remote(1, host, port)], timeout=TIMEOUT_S)
     figures = []
     try:
         for num_bytes in sizes:
