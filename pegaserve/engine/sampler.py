@@ -29,7 +29,7 @@ from __future__ import annotations
 import array
 import math
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +41,7 @@ _CELL = 1024  # tokens per cell of the inverse CDF's first level
 _PASS_COLUMNS = 16 * _CELL  # columns per exp-sum pass through one small scratch
 _LOG2_E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)); torch's CPU exp2 is ~4x faster than exp
 _FLOOR = -80.0 * _LOG2_E  # exp() of under -80 is < 2e-35: weightless, and kept out of slow denormals
-_TOP_P_CANDIDATES = 1024  # a top-p row's first candidate count, grown 4x until the nucleus fits
+_TOP_P_BUCKETS = 4096  # histogram slices of the exponent range; top-p sorts one slice's tokens
 _MAX_TEMPERATURE = 1e30  # keeps logits / temperature finite, and -inf at -inf
 _SCORE_ROWS = 64  # prompt rows scored at a time: bounds the [rows, vocab] temporaries
 _MASK64 = (1 << 64) - 1
@@ -80,6 +80,7 @@ class TokenScore:
 def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
     """One token per row of `logits` ([num_rows, vocab], float32, CPU; never modified)."""
     logits = logits.contiguous()
+    num_rows = logits.shape[0]
     plan = _Plan.of(rows, logits.shape[1])
     raw_argmax = argmax_rows(logits)  # [num_rows]
     raw_max = logits.gather(1, raw_argmax[:, None])  # [num_rows, 1]
@@ -87,10 +88,14 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledTok
     normalizers = _normalizers(raw_masses, raw_max)  # [num_rows]
     token_ids = raw_argmax.clone()  # greedy rows without processing keep theirs
     if plan.unedited:
-        token_ids[torch.tensor(plan.unedited)] = _sample_unedited(logits, rows, plan, raw_max, raw_masses, raw_argmax)
-    if plan.work:
-        index = torch.tensor(plan.work)
-        token_ids[index] = _sample_processed(logits.index_select(0, index), [rows[i] for i in plan.work], plan)
+        index = torch.tensor(plan.unedited)
+        picked = [rows[i] for i in plan.unedited]
+        reused = raw_masses[index[: plan.num_reused]]
+        row_ids = _unless_all(index, num_rows)
+        token_ids[index] = _sample_rows(logits, row_ids, picked, raw_max[index], raw_argmax[index], reused)
+    if plan.edited:
+        index = torch.tensor(plan.edited)
+        token_ids[index] = _sample_edited(logits.index_select(0, index), [rows[i] for i in plan.edited], plan)
     chosen = (logits.gather(1, token_ids[:, None])[:, 0] - normalizers).tolist()
     tops = _top_logprobs(logits, normalizers, [row.params.num_top_logprobs for row in rows])
     return [SampledToken(t, lp, top) for t, lp, top in zip(token_ids.tolist(), chosen, tops)]
@@ -126,57 +131,67 @@ def score_tokens(logits: torch.Tensor, target_ids: Sequence[int], num_top: int) 
 
 @dataclass(frozen=True)
 class _Plan:
-    """Rows by path. `work` rows are copied and processed, grouped as top-p rows, other filtered
-    rows (top-k, min_p), other sampled rows, greedy rows: each phase touches a contiguous slice."""
+    """Rows by path: greedy rows without processing keep the raw argmax; sampled rows without it are
+    drawn from the raw logits; the rest get a processed copy of their logits."""
 
-    unedited: list[int]  # sampled, no processing: drawn from the raw logits, temperature-1 rows first
-    num_raw: int  # leading unedited rows at temperature 1, whose cell masses are the raw ones
-    work: list[int]
-    num_top_p: int
-    num_filtered: int  # leading work rows with top-k, top-p or min_p
-    num_sampled: int  # leading work rows that are sampled; the rest are greedy
+    unedited: list[int]  # sampled without processing
+    num_reused: int  # leading unedited rows at temperature 1 with no filter: the raw cell masses are theirs
+    edited: list[int]  # rows with processing, the sampled ones first
+    num_edited_sampled: int
 
     @staticmethod
     def of(rows: Sequence[SamplingRow], vocab: int) -> _Plan:
-        raw, unedited, top_p, filtered, scaled, greedy = [], [], [], [], [], []
+        reused, unedited, sampled, greedy = [], [], [], []
         for i, row in enumerate(rows):
             params = row.params
-            if params.greedy:
-                if row.edited:
-                    greedy.append(i)
-            elif params.top_p < 1.0:
-                top_p.append(i)
-            elif 0 < params.top_k < vocab or params.min_p > 0.0:
-                filtered.append(i)
-            elif row.edited:
-                scaled.append(i)
-            else:
-                (raw if params.temperature == 1.0 else unedited).append(i)
-        work = top_p + filtered + scaled + greedy
-        num_filtered, num_sampled = len(top_p) + len(filtered), len(work) - len(greedy)
-        return _Plan(raw + unedited, len(raw), work, len(top_p), num_filtered, num_sampled)
+            if row.edited:
+                (greedy if params.greedy else sampled).append(i)
+            elif not params.greedy:
+                (reused if params.temperature == 1.0 and not _filters(params, vocab) else unedited).append(i)
+        return _Plan(reused + unedited, len(reused), sampled + greedy, len(sampled))
 
 
-def _sample_unedited(
-    logits: torch.Tensor,
+def _filters(params: SamplingParams, vocab: int) -> bool:
+    return params.top_p < 1.0 or 0 < params.top_k < vocab or params.min_p > 0.0
+
+
+def _sample_edited(work: torch.Tensor, rows: list[SamplingRow], plan: _Plan) -> torch.Tensor:
+    """Tokens of the rows with processing; `work` is their own copy of the logits."""
+    _edit(work, rows)
+    argmax = argmax_rows(work)  # the greedy rows' tokens
+    num_sampled = plan.num_edited_sampled
+    if num_sampled:
+        sampled = work[:num_sampled]
+        row_max = sampled.gather(1, argmax[:num_sampled, None])
+        argmax[:num_sampled] = _sample_rows(sampled, None, rows[:num_sampled], row_max, argmax[:num_sampled], None)
+    return argmax
+
+
+def _sample_rows(
+    source: torch.Tensor,
+    row_ids: torch.Tensor | None,
     rows: Sequence[SamplingRow],
-    plan: _Plan,
-    raw_max: torch.Tensor,
-    raw_masses: torch.Tensor,
-    raw_argmax: torch.Tensor,
+    row_max: torch.Tensor,
+    row_argmax: torch.Tensor,
+    reused_masses: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Tokens of the sampled rows without processing, drawn from the raw logits; only those not at
-    temperature 1 need an exp-sum pass of their own."""
-    index = torch.tensor(plan.unedited)
-    picked = [rows[i] for i in plan.unedited]
-    scale = _scales(picked)
-    row_max = raw_max[index]
-    masses = raw_masses[index[: plan.num_raw]]
-    if plan.num_raw < len(index):
-        scaled_ids = _unless_all(index[plan.num_raw :], len(rows))
-        scaled = _cell_masses(logits, _finite(row_max[plan.num_raw :]), scale[plan.num_raw :], scaled_ids)
-        masses = torch.cat([masses, scaled])
-    return _draw(logits, _unless_all(index, len(rows)), row_max, scale, masses, picked, raw_argmax[index])
+    """Draw each of `rows` from its row of `source` (`row_ids`; None: all, in order), given each
+    one's max (`[n, 1]`) and argmax; the first rows' cell masses may be known (`reused_masses`)."""
+    shift, scale = _finite(row_max), _scales(rows)  # [n, 1] each
+    lower = _lower_bounds(source, row_ids, rows, row_max, shift, scale)
+    num_reused = 0 if reused_masses is None else reused_masses.shape[0]
+    masses = reused_masses
+    if num_reused < len(rows):
+        rest = _select(row_ids, torch.arange(num_reused, len(rows)), source.shape[0])
+        bounded = lower[num_reused:] if bool((lower > float("-inf")).any()) else None
+        found = _cell_masses(source, shift[num_reused:], scale[num_reused:], rest, bounded)
+        masses = found if masses is None else torch.cat([masses, found])
+    return _draw(source, row_ids, row_max, shift, scale, lower, masses, rows, row_argmax)
+
+
+def _select(row_ids: torch.Tensor | None, picked: torch.Tensor, num_source_rows: int) -> torch.Tensor | None:
+    """The source rows of the `picked` ones among `row_ids` (None: all rows of the source, in order)."""
+    return _unless_all(picked if row_ids is None else row_ids[picked], num_source_rows)
 
 
 def _unless_all(row_ids: torch.Tensor, num_rows: int) -> torch.Tensor | None:
@@ -184,25 +199,6 @@ def _unless_all(row_ids: torch.Tensor, num_rows: int) -> torch.Tensor | None:
     if len(row_ids) == num_rows and bool((row_ids == torch.arange(num_rows)).all()):
         return None
     return row_ids
-
-
-def _sample_processed(work: torch.Tensor, rows: list[SamplingRow], plan: _Plan) -> torch.Tensor:
-    """Tokens of the rows that need processing; `work` is their own copy of the logits."""
-    num_sampled, num_filtered, num_top_p = plan.num_sampled, plan.num_filtered, plan.num_top_p
-    _edit(work, rows)
-    scale = _scales(rows[:num_sampled])  # temperature is applied inside each exp, never to a copy
-    filtered = [row.params for row in rows[:num_filtered]]
-    _apply_top_k(work[:num_filtered], [params.top_k for params in filtered])
-    _apply_top_p(work[:num_top_p], scale[:num_top_p], [params.top_p for params in filtered[:num_top_p]])
-    _apply_min_p(work[:num_filtered], [_min_p_log_ratio(params) for params in filtered])
-    argmax = argmax_rows(work)  # greedy rows' tokens; a sampled row's fallback
-    if not num_sampled:
-        return argmax
-    sampled = work[:num_sampled]
-    row_max = sampled.gather(1, argmax[:num_sampled, None])
-    masses = _cell_masses(sampled, _finite(row_max), scale)
-    drawn = _draw(sampled, None, row_max, scale, masses, rows[:num_sampled], argmax[:num_sampled])
-    return torch.cat([drawn, argmax[num_sampled:]])
 
 
 # --- processing (each phase batched over the rows that use it; a no-op when none do) -------------
@@ -268,44 +264,131 @@ def _id_tensor(token_ids: Iterable[int]) -> torch.Tensor:
     return torch.frombuffer(ids, dtype=torch.long) if ids else torch.empty(0, dtype=torch.long)
 
 
+# --- filters: each row's lowest kept logit (-inf: keeps all) ------------------------------------------
+
+
 def _scales(rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """`[n]`: what multiplies `logit - max` inside exp2(): log2(e) / temperature."""
-    return torch.tensor([_LOG2_E / min(row.params.temperature, _MAX_TEMPERATURE) for row in rows])
+    """`[n, 1]`: what multiplies `logit - max` inside exp2(): log2(e) / temperature."""
+    return torch.tensor([[_LOG2_E / min(row.params.temperature, _MAX_TEMPERATURE)] for row in rows])
 
 
-def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> None:
-    """Keep each row's k best tokens and any tied with the k-th; k <= 0 or >= vocab keeps all."""
-    vocab = logits.shape[1]
-    k = torch.tensor([t if 0 < t < vocab else 0 for t in top_k], dtype=torch.long)
-    if not k.any():
-        return
-    kth = logits.topk(int(k.max()), dim=-1).values.gather(1, (k - 1).clamp_(min=0)[:, None])
-    kth.masked_fill_(k[:, None] == 0, float("-inf"))
-    logits.masked_fill_(logits < kth, float("-inf"))
+def _lower_bounds(
+    source: torch.Tensor,
+    row_ids: torch.Tensor | None,
+    rows: Sequence[SamplingRow],
+    row_max: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+) -> torch.Tensor:
+    """`[n, 1]`: the lowest logit that top-k, then top-p (over what top-k keeps), then min_p keep;
+    each keeps a set of best tokens, so together they keep those at or above the highest bound."""
+    num_rows, vocab = len(rows), source.shape[1]
+    lower = torch.full((num_rows, 1), float("-inf"))
+    top_k = [i for i, row in enumerate(rows) if 0 < row.params.top_k < vocab]
+    if top_k:
+        picked = torch.tensor(top_k)
+        ks = [rows[i].params.top_k for i in top_k]
+        lower[picked] = _kth_largest(source, _select(row_ids, picked, source.shape[0]), ks)
+    finite = row_max[:, 0].isfinite().tolist()  # a row without a finite max falls back to its argmax
+    top_p = [i for i, row in enumerate(rows) if row.params.top_p < 1.0 and finite[i]]
+    if top_p:
+        picked = torch.tensor(top_p)
+        ps = [rows[i].params.top_p for i in top_p]
+        selected = _select(row_ids, picked, source.shape[0])
+        lower[picked] = _top_p_bound(source, selected, shift[picked], scale[picked], lower[picked], ps)
+    ratios = [_min_p_log_ratio(row.params) for row in rows]
+    if any(r > float("-inf") for r in ratios):
+        lower = torch.maximum(lower, shift + torch.tensor(ratios)[:, None])
+    return lower
 
 
-def _apply_top_p(logits: torch.Tensor, scale: torch.Tensor, top_p: list[float]) -> None:
-    """Keep the fewest best tokens whose probability (at the row's temperature, `scale`) reaches p,
-    at least the best one, and any tied with the last of them. It needs the head of a sorted row,
-    not a full sort: top-k candidates, more of them until the nucleus fits."""
-    if not top_p:
-        return
-    vocab = logits.shape[1]
-    shift = _finite(logits.amax(-1, keepdim=True))
-    scale = scale[:, None]
-    total = _cell_masses(logits, shift, scale[:, 0]).double().sum(-1, keepdim=True)  # [rows, 1]
-    p = torch.tensor(top_p, dtype=torch.float64)[:, None]
-    k = min(vocab, _TOP_P_CANDIDATES)
-    while True:
-        values = logits.topk(k, dim=-1).values  # [rows, k], best first
-        probs = _weights(values, shift, scale) / total
-        num_kept = ((probs.cumsum(-1) - probs) < p).sum(-1).clamp_(min=1)  # mass before each < p
-        weightless = (values[:, -1:] - shift) * scale <= _FLOOR  # so is the rest of the row
-        if k == vocab or bool(((num_kept < k) | weightless[:, 0]).all()):
-            break
-        k = min(vocab, 4 * k)
-    threshold = values.gather(1, (num_kept - 1)[:, None])
-    logits.masked_fill_(logits < threshold, float("-inf"))
+def _kth_largest(source: torch.Tensor, row_ids: torch.Tensor | None, ks: list[int]) -> torch.Tensor:
+    """`[m, 1]`: each row's `ks[i]`-th largest logit. The k best lie in the k cells with the best
+    maxima (each of those holds a value at least as good as any outside them), so a small k looks
+    in those cells only (and the short last one); a large k at the best of each column chunk."""
+    k, (num_source_rows, vocab) = max(ks), source.shape
+    num_full = vocab // _CELL
+    if 2 * k <= num_full:  # at most half the row
+        cells = source[:, : num_full * _CELL].view(num_source_rows, num_full, _CELL)
+        source_rows = torch.arange(len(ks)) if row_ids is None else row_ids
+        best_cells = cells.amax(-1)[source_rows].topk(k, dim=-1).indices  # [m, k]
+        candidates = [cells[source_rows[:, None], best_cells].flatten(1), source[source_rows, num_full * _CELL :]]
+    else:
+        chunks = _column_chunks(source, row_ids, _gather_scratch(source, row_ids))
+        candidates = [part.topk(min(k, part.shape[1]), dim=-1).values for _, part in chunks]
+    values = torch.cat(candidates, dim=1).topk(k, dim=-1).values  # [m, k], best first
+    return values.gather(1, torch.tensor(ks)[:, None] - 1)
+
+
+def _top_p_bound(
+    source: torch.Tensor,
+    row_ids: torch.Tensor | None,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    lower: torch.Tensor,
+    top_p: list[float],
+) -> torch.Tensor:
+    """`[m, 1]`: the lowest logit top-p keeps: the fewest best tokens (at or above `lower`) whose
+    probability reaches p, at least the best one, and any tied with the last. No sort of the row:
+    a histogram of the mass by exponent finds the bucket where it reaches p, and only that bucket's
+    tokens are sorted."""
+    num_rows = shift.shape[0]
+    bounded = lower if bool((lower > float("-inf")).any()) else None  # top-k came first
+    boundary, before, target = _top_p_bucket(source, row_ids, shift, scale, bounded, top_p)
+    r, values = _bucket_tokens(source, row_ids, shift, scale, bounded, boundary)
+    if not len(values):
+        return lower
+    weights = _weights(values, shift[r, 0], scale[r, 0])
+    counts = torch.bincount(r, minlength=num_rows)
+    starts = counts.cumsum(0) - counts
+    running = weights.cumsum(0)
+    running -= torch.where(starts > 0, running[(starts - 1).clamp(min=0)], 0.0)[r]  # within each row
+    kept = before[r, 0] + running - weights < target[r, 0]  # the mass before each token is under p
+    num_kept = torch.bincount(r, weights=kept.double(), minlength=num_rows).long().clamp_(min=1)
+    bound = torch.where(counts > 0, values[(starts + num_kept - 1).clamp_(max=len(values) - 1)], float("-inf"))
+    return torch.maximum(bound[:, None], lower)
+
+
+def _top_p_bucket(
+    source: torch.Tensor,
+    row_ids: torch.Tensor | None,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    lower: torch.Tensor | None,
+    top_p: list[float],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`[m, 1]` each: the bucket where the mass reaches p (-1 when that is the last one, which holds
+    everything down to the floor: then all the row has is kept), the mass before it, and p's mass."""
+    mass = torch.zeros(shift.shape[0], _TOP_P_BUCKETS)
+    for _, exponents, buckets in _bucketed(source, row_ids, shift, scale, lower):
+        mass.scatter_add_(1, buckets, exponents.clamp_(min=_FLOOR).exp2_())
+    cumulative = mass.double().cumsum(-1)  # bucket 0 holds the best tokens
+    target = torch.tensor(top_p, dtype=torch.float64)[:, None] * cumulative[:, -1:]
+    boundary = torch.searchsorted(cumulative, target).clamp_(max=_TOP_P_BUCKETS - 1)
+    before = torch.where(boundary > 0, cumulative.gather(1, (boundary - 1).clamp(min=0)), 0.0)
+    return boundary.masked_fill_(boundary == _TOP_P_BUCKETS - 1, -1), before, target
+
+
+def _bucket_tokens(
+    source: torch.Tensor,
+    row_ids: torch.Tensor | None,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    lower: torch.Tensor | None,
+    bucket: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens in each row's `bucket` (`[m, 1]`), as their rows and logits, grouped by row and
+    best first within one."""
+    found_rows, found_columns = [], []
+    for first, _, buckets in _bucketed(source, row_ids, shift, scale, lower):
+        r, c = (buckets == bucket).nonzero(as_tuple=True)
+        found_rows.append(r)
+        found_columns.append(c + first)
+    r, c = torch.cat(found_rows), torch.cat(found_columns)
+    values = _take(source, row_ids, r, c)
+    order = values.argsort(descending=True, stable=True)
+    order = order[r[order].argsort(stable=True)]
+    return r[order], values[order]
 
 
 def _min_p_log_ratio(params: SamplingParams) -> float:
@@ -315,14 +398,6 @@ def _min_p_log_ratio(params: SamplingParams) -> float:
     return min(params.temperature, _MAX_TEMPERATURE) * math.log(min(params.min_p, 1.0))
 
 
-def _apply_min_p(logits: torch.Tensor, log_ratios: list[float]) -> None:
-    """Drop tokens whose `logit - max` is below the row's bound (`-inf`: keep all)."""
-    if all(r == float("-inf") for r in log_ratios):
-        return
-    threshold = logits.amax(-1, keepdim=True) + torch.tensor(log_ratios, dtype=logits.dtype)[:, None]
-    logits.masked_fill_(logits < threshold, float("-inf"))
-
-
 # --- the draw ----------------------------------------------------------------------------------------
 
 
@@ -330,24 +405,27 @@ def _draw(
     source: torch.Tensor,
     row_ids: torch.Tensor | None,
     row_max: torch.Tensor,
+    shift: torch.Tensor,
     scale: torch.Tensor,
+    lower: torch.Tensor,
     masses: torch.Tensor,
     rows: Sequence[SamplingRow],
     fallback: torch.Tensor,
 ) -> torch.Tensor:
-    """Inverse-CDF draws from the rows `row_ids` of `source` (processed logits, contiguous; None:
-    all of them) at each row's temperature (`scale`, `[n]`), given its max (`[n, 1]`) and its cell
-    masses. A row with no finite max or no mass (everything masked) takes `fallback`, its argmax."""
+    """Inverse-CDF draws from the rows `row_ids` of `source` (None: all, in order), at each row's
+    temperature (`scale`), keeping its logits at or above `lower`, given its cell masses (all
+    `[n, 1]` but those). A row with no finite max or no mass takes `fallback`, its argmax."""
     vocab = source.shape[1]
-    shift, scale = _finite(row_max), scale[:, None]  # [n, 1] each
     masses = masses.double()  # [n, num_cells]
-    target = torch.tensor([_uniform(row) for row in rows], dtype=torch.float64)[:, None] * masses.sum(-1, keepdim=True)
+    target = torch.tensor([[_uniform(row)] for row in rows], dtype=torch.float64) * masses.sum(-1, keepdim=True)
     drafts = [row.draft_token_id for row in rows]
-    if any(d is not None for d in drafts):  # the draft's mass comes first: [0, w_draft) accepts it
-        has_draft = torch.tensor([d is not None for d in drafts])[:, None]
-        draft_ids = torch.tensor([0 if d is None else d for d in drafts])[:, None]
+    with_drafts = any(d is not None for d in drafts)
+    if with_drafts:  # the draft's mass comes first: [0, w_draft) accepts it
+        has_draft = torch.tensor([[d is not None] for d in drafts])
+        draft_ids = torch.tensor([[0 if d is None else d] for d in drafts])
         assert int(draft_ids.max()) < vocab and int(draft_ids.min()) >= 0, "draft outside the vocabulary"
-        draft_weights = _weights(_take(source, row_ids, draft_ids), shift, scale).masked_fill_(~has_draft, 0.0)
+        draft_values = _take(source, row_ids, torch.arange(len(rows))[:, None], draft_ids)
+        draft_weights = _weights(draft_values, shift, scale).masked_fill_(~has_draft | (draft_values < lower), 0.0)
         accepted = target < draft_weights
         target -= draft_weights
         masses.scatter_add_(1, draft_ids // _CELL, -draft_weights).clamp_(min=0.0)  # its cell, without it
@@ -355,16 +433,17 @@ def _draw(
     cell = _search(cumulative, target)  # [n, 1]
     mass = masses.gather(1, cell)
     fraction = ((target - cumulative.gather(1, cell) + mass) / mass).clamp_(0.0, 1.0)  # where in the cell
-    columns = cell * _CELL + torch.arange(_CELL)  # [n, CELL]; the last cell may be short
+    columns = cell * _CELL + torch.arange(min(_CELL, vocab))  # [n, CELL]; the last cell may be short
     outside = columns >= vocab
-    exponents = (_take(source, row_ids, columns.clamp_(max=vocab - 1)) - shift).mul_(scale)
-    weightless = (exponents <= _FLOOR).logical_or_(outside)
-    if any(d is not None for d in drafts):
+    values = _take(source, row_ids, torch.arange(len(rows))[:, None], columns.clamp_(max=vocab - 1))
+    exponents = (values - shift).mul_(scale)
+    weightless = (exponents <= _FLOOR).logical_or_(outside).logical_or_(values < lower)
+    if with_drafts:
         weightless.logical_or_((columns == draft_ids) & has_draft)
     within = exponents.double().exp2_().masked_fill_(weightless, 0.0).cumsum_(-1)  # [n, CELL]
     token_ids = columns.gather(1, _search(within, fraction * within[:, -1:]))
     drawn = row_max.isfinite() & (cumulative[:, -1:] > 0) & (within[:, -1:] > 0)
-    if any(d is not None for d in drafts):
+    if with_drafts:
         token_ids = torch.where(accepted, draft_ids, token_ids)
         drawn |= row_max.isfinite() & accepted
     return torch.where(drawn, token_ids, fallback[:, None])[:, 0]
@@ -377,11 +456,12 @@ def _search(cumulative: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cumulative, target, right=True).clamp_(max=last)
 
 
-def _take(source: torch.Tensor, row_ids: torch.Tensor | None, columns: torch.Tensor) -> torch.Tensor:
-    """`source[row_ids[i], columns[i, j]]`, `[n, m]`."""
-    if row_ids is None:
-        return source.gather(1, columns)
-    return source.take(row_ids[:, None] * source.shape[1] + columns)
+def _take(
+    source: torch.Tensor, row_ids: torch.Tensor | None, rows: torch.Tensor, columns: torch.Tensor
+) -> torch.Tensor:
+    """`source[row_ids[rows], columns]`, broadcast (`row_ids` None: all rows of `source`, in order)."""
+    source_rows = rows if row_ids is None else row_ids[rows]
+    return source.view(-1)[source_rows * source.shape[1] + columns]
 
 
 def _weights(values: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -446,35 +526,81 @@ def _normalizers(masses: torch.Tensor, max_logits: torch.Tensor) -> torch.Tensor
 
 
 def _cell_masses(
-    logits: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor | None = None, row_ids: torch.Tensor | None = None
+    source: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    row_ids: torch.Tensor | None = None,
+    lower: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`[rows, num_cells]`: each `_CELL`-column cell's sum of `exp2(max((logit - shift) * scale,
-    FLOOR))` for the rows `row_ids` of `logits` (default: all), `shift` (`[rows, 1]`) finite and
-    `scale` (`[rows]`) log2(e) / temperature (default: temperature 1). Row-wise reductions only,
-    so a row's masses are the same bits whatever else is in the batch."""
-    num_rows = logits.shape[0] if row_ids is None else len(row_ids)
-    vocab = logits.shape[1]
-    scale = torch.full((num_rows, 1), _LOG2_E) if scale is None else scale[:, None]
-    masses = logits.new_empty(num_rows, -(-vocab // _CELL))
+    FLOOR))` over the rows `row_ids` of `source` (None: all), with `shift` finite, `scale`
+    log2(e) / temperature (None: temperature 1), logits below `lower` at the floor (all `[rows, 1]`).
+    Row-wise reductions only, so a row's masses are the same bits whatever else is in the batch."""
+    num_rows, vocab = source.shape[0] if row_ids is None else len(row_ids), source.shape[1]
+    masses = source.new_empty(num_rows, -(-vocab // _CELL))
     # A column chunk at a time through one small scratch: a vocabulary-sized temporary would be
     # handed back to the OS on free and cost thousands of page faults on every step.
-    scratch = logits.new_empty(num_rows, min(_PASS_COLUMNS, vocab))
-    for first in range(0, vocab, _PASS_COLUMNS):
-        part = logits[:, first : first + _PASS_COLUMNS]
+    scratch = source.new_empty(num_rows, min(_PASS_COLUMNS, vocab))
+    spare = None if lower is None else torch.empty_like(scratch)
+    for first, part in _column_chunks(source, row_ids, _gather_scratch(source, row_ids)):
         width = part.shape[1]
-        exponents = scratch[:, :width]
-        if row_ids is None:
-            torch.sub(part, shift, out=exponents)
-        else:
-            torch.index_select(part, 0, row_ids, out=exponents).sub_(shift)
+        exponents = torch.sub(part, shift, out=scratch[:, :width]).mul_(_LOG2_E if scale is None else scale)
+        if lower is not None:
+            _drop_below(exponents, part, lower, spare[:, :width])
         # The floor keeps exp2() out of fp32's denormals, which cost x86 a microcode assist each.
-        weights = exponents.mul_(scale).clamp_(min=_FLOOR).exp2_()
+        weights = exponents.clamp_(min=_FLOOR).exp2_()
         cell, num_full = first // _CELL, width // _CELL
         if num_full:
             masses[:, cell : cell + num_full] = weights[:, : num_full * _CELL].view(num_rows, num_full, _CELL).sum(-1)
         if width % _CELL:
             masses[:, cell + num_full] = weights[:, num_full * _CELL :].sum(-1)
     return masses
+
+
+def _bucketed(
+    source: torch.Tensor,
+    row_ids: torch.Tensor | None,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    lower: torch.Tensor | None,
+) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """Per column chunk: its first column, each logit's exponent and its bucket: one of
+    `_TOP_P_BUCKETS` equal slices of the exponent from 0 down to the floor, so monotone in the
+    logit; logits below `lower` go to the last. Both live in scratch reused by the next chunk."""
+    num_rows, width = shift.shape[0], min(_PASS_COLUMNS, source.shape[1])
+    exponents, slots = source.new_empty(num_rows, width), source.new_empty(num_rows, width)
+    buckets = torch.empty(num_rows, width, dtype=torch.long)
+    for first, part in _column_chunks(source, row_ids, _gather_scratch(source, row_ids)):
+        w = part.shape[1]
+        exponent = torch.sub(part, shift, out=exponents[:, :w]).mul_(scale)
+        if lower is not None:
+            _drop_below(exponent, part, lower, slots[:, :w])
+        slot = torch.mul(exponent, _TOP_P_BUCKETS / _FLOOR, out=slots[:, :w]).clamp_(0, _TOP_P_BUCKETS - 1)
+        yield first, exponent, buckets[:, :w].copy_(slot)  # truncation: the floor of a slot >= 0
+
+
+def _drop_below(exponents: torch.Tensor, part: torch.Tensor, lower: torch.Tensor, spare: torch.Tensor) -> torch.Tensor:
+    """Sends the exponents of the logits below `lower` (`[rows, 1]`) under the floor, by float ops
+    alone: a bool mask and masked_fill cost ~30x more on the CPU. sign(logit - lower) is exactly -1
+    there (a finite stand-in for a -inf bound, so that -inf logits give -1 rather than NaN)."""
+    signs = torch.sub(part, lower.clamp(min=torch.finfo(lower.dtype).min), out=spare).sign_()
+    return torch.minimum(exponents, signs.mul_(-2 * _FLOOR), out=exponents)
+
+
+def _column_chunks(
+    source: torch.Tensor, row_ids: torch.Tensor | None, scratch: torch.Tensor | None
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """Each `_PASS_COLUMNS`-wide column chunk of the rows `row_ids` of `source` (None: all) with its
+    first column: a view, or the rows gathered into `scratch` (reused by the next chunk)."""
+    for first in range(0, source.shape[1], _PASS_COLUMNS):
+        part = source[:, first : first + _PASS_COLUMNS]
+        if row_ids is not None:
+            part = torch.index_select(part, 0, row_ids, out=scratch[:, : part.shape[1]])
+        yield first, part
+
+
+def _gather_scratch(source: torch.Tensor, row_ids: torch.Tensor | None) -> torch.Tensor | None:
+    return None if row_ids is None else source.new_empty(len(row_ids), min(_PASS_COLUMNS, source.shape[1]))
 
 
 def _finite(values: torch.Tensor) -> torch.Tensor:

@@ -96,6 +96,17 @@ def test_top_k_draws_only_from_the_k_best_tokens():
     assert len(set(tokens)) >= 4  # it samples among them, not just the best
 
 
+def test_top_k_over_a_full_vocabulary_keeps_the_k_best_and_ties_with_the_kth():
+    logits = random_logits(1, vocab=151936, scale=0.1, seed=9)[0]
+    best = [1024 * cell + 7 for cell in range(0, 140, 7)]  # 20 tokens, each in its own cell
+    logits[best] = torch.arange(20, dtype=torch.float32).mul(-0.01).add(6.0)
+    tie, near_miss = 150_000, 30_000  # another cell: the 20th value again, and just below it
+    logits[tie], logits[near_miss] = logits[best[-1]], logits[best[-1]] - 1e-3
+    tokens = drawn(logits, 256, batch=64, top_k=20, temperature=100.0)  # nearly uniform over the kept
+    assert set(tokens) <= set(best) | {tie}
+    assert tie in tokens and len(set(tokens)) >= 15
+
+
 def test_top_p_draws_only_from_the_nucleus():
     # probabilities 0.5, 0.3, then 0.2 spread over 98 tokens: with top_p=0.75 the nucleus is {3, 8}
     probs = torch.full((100,), 0.2 / 98)

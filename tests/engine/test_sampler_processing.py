@@ -160,6 +160,27 @@ def test_top_k_and_top_p_renormalize_what_they_keep():
     assert chi_square(drawn(probs.log(), 20_000, top_p=0.8), kept / kept.sum()) < 13.82
 
 
+def test_top_p_can_cut_inside_a_run_of_nearly_equal_tokens():
+    # ten tokens of ~0.1 each (one histogram bucket): p = 0.35 keeps exactly the four best
+    probs = torch.full((10,), 0.1) * (1 + 1e-4 * torch.arange(10, 0, -1))
+    assert set(drawn(probs.log(), 6000, top_p=0.35)) == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize(
+    "params", [{"top_k": 4}, {"top_p": 0.42}, {"min_p": 0.2}, {"top_k": 4, "temperature": 0.7}], ids=str
+)
+def test_filters_are_exact_across_the_inverse_cdfs_cells(params):
+    # four tokens spread over the three cells; half the mass on the rest, which every filter drops
+    vocab, heavy = 3000, [0, 1500, 2999, 1024]
+    probs = torch.full((vocab,), 0.5 / (vocab - len(heavy)), dtype=torch.float64)
+    probs[heavy] = torch.tensor([0.2, 0.15, 0.1, 0.05], dtype=torch.float64)
+    kept = heavy[:3] if "top_p" in params else heavy
+    expected = torch.zeros(vocab, dtype=torch.float64)
+    expected[kept] = probs[kept] ** (1 / params.get("temperature", 1.0))
+    tokens = drawn(probs.float().log(), 20_000, **params)
+    assert chi_square(tokens, expected / expected.sum()) < 16.27  # 3 degrees of freedom, p = 0.001
+
+
 # --- batches, extremes --------------------------------------------------------------------------------
 
 
