@@ -101,3 +101,15 @@ $(PEERS_VENV)/.ray-llm: $(PEERS_VENV)/.installed
 
 bench-peers: model peers-install
 	$(PY) -m benchmarks.peers --peers-python $(PEERS_PY) $(PEERS_ARGS)
+
+# The Grafana dashboard's queries against a real Prometheus (its own, on 127.0.0.1, on Ray's
+# service-discovery file) after a little traffic to a running `make serve`: fails on an invalid query
+# or a panel without data (scripts/dashboard_check.py; about 1-2 minutes). Installs Debian's
+# prometheus when none is on PATH. `scripts/with_serve.sh make dashboard-check` runs it on a fresh serve.
+PROMETHEUS ?= prometheus
+DASHBOARD_CHECK_ARGS ?=
+.PHONY: dashboard-check
+dashboard-check:
+	@command -v $(PROMETHEUS) >/dev/null || { apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus; }
+	$(PY) scripts/dashboard_check.py --prometheus $(PROMETHEUS) $(DASHBOARD_CHECK_ARGS)
