@@ -17,11 +17,13 @@ draft with probability p(draft) and otherwise samples p without it, renormalized
 sample from p either way.
 
 A vocabulary is ~150k wide, so passes over it dominate a small model's step. Every row costs two: a
-chunked max that finds the argmax, and a chunked exp-sum that gives both the log-normalizer and the
+chunked max that finds the argmax, and a chunked exp2-sum that gives both the log-normalizer and the
 inverse CDF's first level (the mass of each 1024-token cell); the second level looks inside one
-cell. A temperature-1 row without processing is drawn from those; a row at another temperature
-costs one more exp-sum, and a row with processing a copy of its logits too. Top-p needs the head of
-a sorted row, never a full sort. Tokens more than 80 nats below a row's best weigh nothing.
+cell. A temperature-1 row without processing or filters is drawn from those; any other sampled row
+costs one more exp2-sum, and a row with processing a copy of its logits too. Filters never write:
+each is a per-row lower bound on the logits kept, top-k's from the k cells with the best maxima,
+top-p's from a histogram of the mass and a sort of one bucket of it (never of a row), min_p's in
+closed form. Tokens more than 80 nats below a row's best weigh nothing.
 """
 
 from __future__ import annotations
@@ -303,21 +305,27 @@ def _lower_bounds(
 
 
 def _kth_largest(source: torch.Tensor, row_ids: torch.Tensor | None, ks: list[int]) -> torch.Tensor:
-    """`[m, 1]`: each row's `ks[i]`-th largest logit. The k best lie in the k cells with the best
-    maxima (each of those holds a value at least as good as any outside them), so a small k looks
-    in those cells only (and the short last one); a large k at the best of each column chunk."""
-    k, (num_source_rows, vocab) = max(ks), source.shape
-    num_full = vocab // _CELL
-    if 2 * k <= num_full:  # at most half the row
-        cells = source[:, : num_full * _CELL].view(num_source_rows, num_full, _CELL)
-        source_rows = torch.arange(len(ks)) if row_ids is None else row_ids
-        best_cells = cells.amax(-1)[source_rows].topk(k, dim=-1).indices  # [m, k]
-        candidates = [cells[source_rows[:, None], best_cells].flatten(1), source[source_rows, num_full * _CELL :]]
-    else:
-        chunks = _column_chunks(source, row_ids, _gather_scratch(source, row_ids))
-        candidates = [part.topk(min(k, part.shape[1]), dim=-1).values for _, part in chunks]
-    values = torch.cat(candidates, dim=1).topk(k, dim=-1).values  # [m, k], best first
+    """`[m, 1]`: each row's `ks[i]`-th largest logit."""
+    values, _ = _best(source, row_ids, max(ks))
     return values.gather(1, torch.tensor(ks)[:, None] - 1)
+
+
+def _best(source: torch.Tensor, row_ids: torch.Tensor | None, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `k` best logits of the rows `row_ids` of `source` (None: all) and their token ids, best
+    first (`[m, k]` each). They lie in the k cells with the best maxima (each of those holds a value
+    at least as good as any outside them), so a small k looks in those cells (and the short last one)
+    only."""
+    (num_source_rows, vocab), num_full = source.shape, source.shape[1] // _CELL
+    if 2 * k > num_full:
+        return (source if row_ids is None else source.index_select(0, row_ids)).topk(min(k, vocab), dim=-1)
+    cells = source[:, : num_full * _CELL].view(num_source_rows, num_full, _CELL)
+    rows = torch.arange(num_source_rows) if row_ids is None else row_ids
+    best_cells = cells.amax(-1)[rows].topk(k, dim=-1).indices  # [m, k]
+    candidates = torch.cat([cells[rows[:, None], best_cells].flatten(1), source[rows, num_full * _CELL :]], dim=1)
+    values, positions = candidates.topk(k, dim=-1)
+    in_cells = positions < k * _CELL
+    cell_ids = best_cells.gather(1, (positions // _CELL).clamp_(max=k - 1)) * _CELL + positions % _CELL
+    return values, torch.where(in_cells, cell_ids, positions - k * _CELL + num_full * _CELL)
 
 
 def _top_p_bound(
@@ -542,6 +550,7 @@ def _cell_masses(
     # handed back to the OS on free and cost thousands of page faults on every step.
     scratch = source.new_empty(num_rows, min(_PASS_COLUMNS, vocab))
     spare = None if lower is None else torch.empty_like(scratch)
+    lower = None if lower is None else _finite_bound(lower)
     for first, part in _column_chunks(source, row_ids, _gather_scratch(source, row_ids)):
         width = part.shape[1]
         exponents = torch.sub(part, shift, out=scratch[:, :width]).mul_(_LOG2_E if scale is None else scale)
@@ -570,6 +579,7 @@ def _bucketed(
     num_rows, width = shift.shape[0], min(_PASS_COLUMNS, source.shape[1])
     exponents, slots = source.new_empty(num_rows, width), source.new_empty(num_rows, width)
     buckets = torch.empty(num_rows, width, dtype=torch.long)
+    lower = None if lower is None else _finite_bound(lower)
     for first, part in _column_chunks(source, row_ids, _gather_scratch(source, row_ids)):
         w = part.shape[1]
         exponent = torch.sub(part, shift, out=exponents[:, :w]).mul_(scale)
@@ -579,12 +589,17 @@ def _bucketed(
         yield first, exponent, buckets[:, :w].copy_(slot)  # truncation: the floor of a slot >= 0
 
 
-def _drop_below(exponents: torch.Tensor, part: torch.Tensor, lower: torch.Tensor, spare: torch.Tensor) -> torch.Tensor:
-    """Sends the exponents of the logits below `lower` (`[rows, 1]`) under the floor, by float ops
-    alone: a bool mask and masked_fill cost ~30x more on the CPU. sign(logit - lower) is exactly -1
-    there (a finite stand-in for a -inf bound, so that -inf logits give -1 rather than NaN)."""
-    signs = torch.sub(part, lower.clamp(min=torch.finfo(lower.dtype).min), out=spare).sign_()
-    return torch.minimum(exponents, signs.mul_(-2 * _FLOOR), out=exponents)
+def _drop_below(exponents: torch.Tensor, part: torch.Tensor, lower: torch.Tensor, spare: torch.Tensor) -> None:
+    """Sends the exponents of the logits below `lower` (`[rows, 1]`, finite) under the floor, by float
+    ops alone (a bool mask and masked_fill cost ~30x more on the CPU): sign(logit - lower) is exactly
+    -1 there."""
+    signs = torch.sub(part, lower, out=spare).sign_()
+    torch.minimum(exponents, signs.mul_(-2 * _FLOOR), out=exponents)
+
+
+def _finite_bound(lower: torch.Tensor) -> torch.Tensor:
+    # the lowest float for a -inf bound, so that a -inf logit's sign is -1 rather than NaN's
+    return lower.clamp(min=torch.finfo(lower.dtype).min)
 
 
 def _column_chunks(
@@ -610,14 +625,13 @@ def _finite(values: torch.Tensor) -> torch.Tensor:
 def _top_logprobs(
     logits: torch.Tensor, normalizers: torch.Tensor, counts: list[int]
 ) -> list[tuple[tuple[int, float], ...]]:
-    """Each row's `counts[i]` best tokens with their raw logprobs, best first (one batched topk)."""
+    """Each row's `counts[i]` best tokens with their raw logprobs, best first (batched)."""
     tops: list[tuple[tuple[int, float], ...]] = [()] * len(counts)
     wanted = [i for i, n in enumerate(counts) if n > 0]
     if not wanted:
         return tops
     index = torch.tensor(wanted)
-    part = logits if len(wanted) == len(counts) else logits.index_select(0, index)
-    values, ids = part.topk(min(max(counts[i] for i in wanted), logits.shape[1]), dim=-1)
+    values, ids = _best(logits, _unless_all(index, len(counts)), max(counts[i] for i in wanted))
     values = (values - normalizers[index, None]).tolist()
     for r, (i, top_ids) in enumerate(zip(wanted, ids.tolist())):
         tops[i] = tuple(zip(top_ids[: counts[i]], values[r][: counts[i]]))

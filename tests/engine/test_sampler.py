@@ -159,6 +159,20 @@ def test_logprobs_are_the_log_softmax_of_the_raw_logits(rows):
         assert [lp for _, lp in token.top_logprobs] == pytest.approx(values.tolist(), abs=1e-4)
 
 
+def test_top_logprobs_find_the_best_tokens_in_any_cell_the_short_last_one_included():
+    logits = random_logits(2, vocab=151936, scale=1.0, seed=7)
+    logits[0, 151935], logits[0, 1023], logits[0, 1024] = 9.0, 8.0, 7.0  # the last token, a cell's edges
+    logits[1, 151900] = logits[1, 5] = 8.0  # a tie, across cells
+    expected = torch.log_softmax(logits.double(), dim=-1)
+    first, second = sample(logits, [row(temperature=0.0, num_top_logprobs=4)] * 2)
+    assert [t for t, _ in first.top_logprobs[:3]] == [151935, 1023, 1024]
+    assert {t for t, _ in second.top_logprobs[:2]} == {5, 151900}
+    for i, token in enumerate((first, second)):
+        values, ids = torch.topk(expected[i], 4)
+        assert {t for t, _ in token.top_logprobs} == set(ids.tolist())
+        assert [lp for _, lp in token.top_logprobs] == pytest.approx(values.tolist(), abs=1e-4)
+
+
 def test_logprobs_hold_over_a_wide_logit_range():
     # the tiny model's logits span about -90..90; exp() of their differences overflows fp32
     logits = random_logits(4, vocab=151936, scale=40.0, seed=6)
