@@ -54,12 +54,15 @@ StartCall = Callable[[Choices, int, bool], object]  # (choices with their tokens
 
 
 class _ServeEngineClient(EngineClient):
-    def __init__(self, inbox: TokenInbox, name: str, max_migrations: int, ledger: "ActorLedgerClient") -> None:
+    def __init__(self, inbox: TokenInbox, name: str, model: str, max_migrations: int,
+                 ledger: "ActorLedgerClient") -> None:
         self.inbox = inbox
         self.name = name
         self.max_migrations = max_migrations
         self.ledger = ledger
-        self.migrations = MigrationMetrics()
+        self.migrations = MigrationMetrics(model)
+        self._board = stats_board()
+        self._app_prefix = name.split("/")[0] + "/"
         self._tags = itertools.count(1)
         self._live: dict[str, tuple[dict, asyncio.Queue]] = {}  # choice id -> its request's (running, queue)
 
@@ -74,7 +77,7 @@ class _ServeEngineClient(EngineClient):
         self.inbox.abort(choice_id)
 
     async def stats(self) -> dict:
-        return await stats_board().read.remote(prefix=self.name.split("/")[0] + "/")
+        return await self.ledger.buffer.detached.call(lambda: self._board.read.remote(prefix=self._app_prefix))
 
     def _track(self, running: dict[str, list[SampledToken]]) -> asyncio.Queue:
         """From now on `abort` of one of these choices takes it out of `running` (until `_untrack`)."""
@@ -180,18 +183,23 @@ async def _until_failure(queue: asyncio.Queue, running: dict[str, list[SampledTo
 class DisaggregatedClient(_ServeEngineClient):
     """Prefill first; decode only when some choice's first token is not terminal (rule 21)."""
 
-    def __init__(self, prefill, decode, inbox: TokenInbox, name: str, max_migrations: int,
+    def __init__(self, prefill, decode, inbox: TokenInbox, name: str, model: str, max_migrations: int,
                  ledger: "ActorLedgerClient") -> None:
-        super().__init__(inbox, name, max_migrations, ledger)
+        super().__init__(inbox, name, model, max_migrations, ledger)
         self.prefill = prefill
         self.decode = decode
         self.releaser = LeaseReleaser(name)
 
     async def _prefill(self, request: EngineRequest):
-        """Prefill, retried once on another replica if the first one died (nothing was shown yet)."""
+        """Prefill, retried once on another replica if the first one died (nothing was shown yet).
+        If this caller gives up meanwhile, the prefill is cancelled and its lease released: a
+        prefill that had finished already would otherwise hold its blocks until the lease expires."""
         for attempt in (1, 2):
             try:
                 return await self.prefill.prefill.remote(request)
+            except asyncio.CancelledError:
+                self.releaser.release_everywhere(self._app_prefix, request.request_id, self.ledger.buffer.detached)
+                raise
             except BackPressureError as exc:
                 raise EngineOverloaded("the prefill queue is full") from exc
             except RayActorError:
@@ -223,9 +231,9 @@ class DisaggregatedClient(_ServeEngineClient):
 
 
 class ColocatedClient(_ServeEngineClient):
-    def __init__(self, colocated, inbox: TokenInbox, name: str, max_migrations: int,
+    def __init__(self, colocated, inbox: TokenInbox, name: str, model: str, max_migrations: int,
                  ledger: "ActorLedgerClient") -> None:
-        super().__init__(inbox, name, max_migrations, ledger)
+        super().__init__(inbox, name, model, max_migrations, ledger)
         self.colocated = colocated
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[StepOutput]:
@@ -252,6 +260,16 @@ class LeaseReleaser:
 
     def release(self, address: Address, request_id: str) -> None:
         asyncio.ensure_future(self._release(address, request_id))
+
+    def release_everywhere(self, prefix: str, request_id: str, detached) -> None:
+        """The prefill replica holding `request_id` is unknown: tell every live one of the app."""
+
+        async def go() -> None:
+            board = stats_board()
+            for address in await detached.call(lambda: board.kv_server_addresses.remote(prefix)):
+                await self._release(address, request_id)
+
+        asyncio.ensure_future(go())
 
     async def _release(self, address: Address, request_id: str) -> None:
         try:
@@ -282,7 +300,7 @@ class ActorLedgerClient(LedgerClient):
         self.buffer.record(events)
 
     async def get(self, request_id: str) -> dict | None:
-        return await self.buffer.actor.get.remote(request_id)
+        return await self.buffer.detached.call(lambda: self.buffer.actor.get.remote(request_id))
 
     async def summary(self) -> dict:
-        return await self.buffer.actor.summary.remote()
+        return await self.buffer.detached.call(lambda: self.buffer.actor.summary.remote())

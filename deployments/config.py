@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pegaserve.api.model_info import served_name
 from pegaserve.default_model import DEFAULT_MODEL_NAME, ensure_model_dir
 
 Transport = Literal["nccl", "gloo", "object_store"]
@@ -114,6 +115,11 @@ class AppArgs(BaseModel):
             if not torch.cuda.is_available():
                 raise ValueError("engine.device is cuda but this machine has no CUDA device")
         return self
+
+    @property
+    def served_name(self) -> str:
+        """The model's name on the API and in every metric's `model` tag."""
+        return served_name(self.model)
 
     def all_api_keys(self) -> tuple[str, ...]:
         extra = [k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip()]

@@ -25,7 +25,7 @@ class EngineServer:
         self.engine = start_engine(self.args, role, on_step=self.router.on_step)
         self.engine.on_dead = self.router.fail
         self.ledger = ledger_buffer(self.args, self.name)
-        metrics = EngineMetrics(self.args.model, deployment, self.name)
+        metrics = EngineMetrics(self.args.served_name, deployment, self.name)
         self._stats = asyncio.ensure_future(post_stats_forever(self.engine, metrics, self.name, role.value))
 
     def _abort(self, choice_id: str) -> None:
@@ -40,7 +40,7 @@ class EngineServer:
         admitted = asyncio.ensure_future(admit)
         try:
             await asyncio.shield(admitted)
-            await done
+            await asyncio.shield(done)  # (cancelling a bare future would cancel `done` itself)
         finally:
             if not done.done():
                 self.router.unroute(choice_ids)

@@ -15,7 +15,7 @@ from deployments.replica import ledger_buffer, replica_name
 from deployments.tokens import TokenInbox
 from pegaserve.api.app import build_app
 from pegaserve.api.frontend import Frontend
-from pegaserve.api.model_info import model_info, served_name
+from pegaserve.api.model_info import model_info
 from pegaserve.api.validation import Limits
 from pegaserve.default_model import ensure_model_dir
 from pegaserve.engine.model_config import ModelConfig
@@ -30,16 +30,17 @@ class Ingress:
         self.name = replica_name()
         model_dir = ensure_model_dir(self.args.model)
         tokenizer = Tokenizer(model_dir)
-        info = model_info(served_name(self.args.model), ModelConfig.from_dir(model_dir), self.args.engine.max_model_len)
+        info = model_info(self.args.served_name, ModelConfig.from_dir(model_dir), self.args.engine.max_model_len)
         self.inbox = TokenInbox()
         await self.inbox.start()
         buffer = ledger_buffer(self.args, self.name)
         self._heartbeat = asyncio.ensure_future(buffer.heartbeat_forever())
         ledger = ActorLedgerClient(buffer)
         if colocated is not None:
-            engine = ColocatedClient(colocated, self.inbox, self.name, self.args.max_migrations, ledger)
+            engine = ColocatedClient(colocated, self.inbox, self.name, info.name, self.args.max_migrations, ledger)
         else:
-            engine = DisaggregatedClient(prefill, decode, self.inbox, self.name, self.args.max_migrations, ledger)
+            engine = DisaggregatedClient(prefill, decode, self.inbox, self.name, info.name, self.args.max_migrations,
+                                         ledger)
         limits = Limits(**self.args.limits.model_dump())
         self.frontend = Frontend(engine, tokenizer, info, ledger, limits, IngressMetrics(info.name))
 

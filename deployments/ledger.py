@@ -64,9 +64,18 @@ class StatsBoard:
 
     def __init__(self) -> None:
         self.stats: dict[str, tuple[float, dict]] = {}
+        self.kv_servers: dict[str, object] = {}  # prefill replica -> its KV server's address (with its token)
 
     def post(self, replica: str, stats: dict) -> None:
         self.stats[replica] = (time.time(), stats)
+
+    def announce(self, replica: str, address) -> None:
+        self.kv_servers[replica] = address
+
+    def kv_server_addresses(self, prefix: str = "") -> list:
+        """KV servers of live prefill replicas (those that posted stats lately)."""
+        live = self.read(prefix)
+        return [a for name, a in self.kv_servers.items() if name in live]
 
     def read(self, prefix: str = "", max_age_s: float = 30.0) -> dict:
         now = time.time()
@@ -84,39 +93,88 @@ def stats_board():
                               lifetime="detached").remote()
 
 
+class DetachedCalls:
+    """Ray actor calls made on a request's behalf but not as its children: Serve cancels a
+    cancelled request's child tasks, and a cancelled actor call leaves a gap in the calls'
+    sequence that stalls that actor for every caller (~30 s). Calls start from one long-lived
+    task made at replica start, and the caller awaits their result shielded."""
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._runner = asyncio.ensure_future(self._run())
+
+    async def call(self, make_call):
+        """`await make_call()` off the request: e.g. `call(lambda: actor.get.remote(key))`."""
+        done = asyncio.get_running_loop().create_future()
+        self._queue.put_nowait((make_call, done))
+        return await asyncio.shield(done)
+
+    async def _run(self) -> None:
+        while True:
+            make_call, done = await self._queue.get()
+            asyncio.ensure_future(self._one(make_call, done))  # started here: this task's context
+
+    @staticmethod
+    async def _one(make_call, done: asyncio.Future) -> None:
+        try:
+            result = await make_call()
+        except Exception as exc:
+            if not done.done():
+                done.set_exception(exc)
+        else:
+            if not done.done():
+                done.set_result(result)
+
+
 class LedgerBuffer:
     """Ledger events from one replica, sent in batches (a Ray call per 10 ms at most, not one per
     event). `record` queues; `await record_now(...)` sends everything queued and waits for it (the
-    ingress does, at a request's finish, so the ledger agrees with the answer before it ends)."""
+    ingress does, at a request's finish, so the ledger agrees with the answer before it ends).
+
+    Every call to the ledger actor leaves from one long-lived task, never from a request's own:
+    Serve cancels a cancelled request's child tasks, and a cancelled actor call would leave a gap
+    in the calls' sequence that stalls the ledger actor for every caller.
+    """
 
     def __init__(self, actor, component: str) -> None:
         self.actor = actor
         self.component = component
+        self.detached = DetachedCalls()  # reads (get, summary) leave off the request too
         self._queued: list[LedgerEvent] = []
-        self._flush: asyncio.Task | None = None
+        self._waiters: list[asyncio.Future] = []
+        self._wake = asyncio.Event()
+        self._urgent = False
+        self._sender = asyncio.ensure_future(self._send_forever())
 
     def record(self, events: list[LedgerEvent]) -> None:
         self._queued += events
-        if self._flush is None:
-            self._flush = asyncio.ensure_future(self._flush_soon())
+        self._wake.set()
 
     async def record_now(self, events: list[LedgerEvent]) -> None:
+        waiter = asyncio.get_running_loop().create_future()
         self._queued += events
-        await self._send()
+        self._waiters.append(waiter)
+        self._urgent = True
+        self._wake.set()
+        await asyncio.shield(waiter)
 
-    async def _flush_soon(self) -> None:
-        await asyncio.sleep(FLUSH_PERIOD_S)
-        self._flush = None
-        await self._send()
-
-    async def _send(self) -> None:
-        events, self._queued = self._queued, []
-        if not events:
-            return
-        try:
-            await self.actor.record.remote([(self.component, events)])
-        except Exception:  # the ledger restarts on its own; losing a batch must not fail requests
-            log.exception("recording %d ledger events failed", len(events))
+    async def _send_forever(self) -> None:
+        while True:
+            await self._wake.wait()
+            if not self._urgent:
+                await asyncio.sleep(FLUSH_PERIOD_S)  # gather what else comes meanwhile
+            self._wake.clear()
+            self._urgent = False
+            events, self._queued = self._queued, []
+            waiters, self._waiters = self._waiters, []
+            if events:
+                try:
+                    await self.actor.record.remote([(self.component, events)])
+                except Exception:  # the ledger restarts on its own; losing a batch must not fail requests
+                    log.exception("recording %d ledger events failed", len(events))
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
 
     async def heartbeat_forever(self, period_s: float = 5.0) -> None:
         while True:

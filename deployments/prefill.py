@@ -11,6 +11,7 @@ from ray import serve
 from deployments.config import AppArgs
 from deployments.handoff.protocol import Lease
 from deployments.handoff.sender import KvSender
+from deployments.ledger import stats_board
 from deployments.metrics import EngineMetrics
 from deployments.replica import check_engine, ledger_buffer, post_stats_forever, replica_name, start_engine
 from pegaserve.engine.config import Role
@@ -37,7 +38,8 @@ class Prefill:
         self.sender = KvSender(self.engine, self.name, self.args.transport, self.args.transfer_timeout_s, self.ledger,
                                doubles.delay_kv_send_s if doubles else 0.0)
         await self.sender.start()
-        metrics = EngineMetrics(self.args.model, "Prefill", self.name)
+        metrics = EngineMetrics(self.args.served_name, "Prefill", self.name)
+        stats_board().announce.remote(self.name, self.sender.address)  # where ingresses send releases
         self._stats = asyncio.ensure_future(post_stats_forever(self.engine, metrics, self.name, "prefill"))
 
     async def prefill(self, request: EngineRequest) -> PrefillResult:
@@ -46,7 +48,7 @@ class Prefill:
                             for o in outputs if o.tokens])
         lease = None
         if any(o.finish is None for o in outputs):
-            lease = await self.sender.lease(request.request_id)
+            lease = await self.sender.lease(request)
         return PrefillResult(outputs, self.name, lease)
 
     async def check_health(self) -> None:

@@ -67,6 +67,8 @@ class KvReceiver:
 
     async def _fetch(self, lease: Lease, target: ReceiveTarget) -> int | None:
         shape = lease.shape_from(target.first_block)
+        if self.transport == "object_store" and lease.kv_ref is None:
+            return None  # the lease expired before prefill could put the KV in the store
         if lease.kv_ref is not None:
             data = await lease.kv_ref[0]
             packed = kv_from_bytes(data, lease.kv_dtype, lease.kv_shape)[:, :, target.first_block :]

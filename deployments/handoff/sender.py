@@ -22,9 +22,11 @@ from deployments.handoff.protocol import Fetch, FetchReply, Lease, OpenPair, Pai
 from deployments.handoff.transports import GlooPair, NcclPair, PairChannel, kv_as_bytes
 from pegaserve.engine import core
 from pegaserve.engine.async_engine import AsyncEngine
+from pegaserve.engine.request import EngineRequest
 from pegaserve.ledger import KvSent
 
 log = logging.getLogger("ray.serve")
+TOMBSTONE_S = 120.0
 
 
 class KvSender:
@@ -37,6 +39,7 @@ class KvSender:
         self.ledger = ledger
         self.delay_send_s = delay_send_s  # a test double's fault: hold every send back this long
         self._listener = Listener(self._serve)
+        self._tombstones: dict[str, float] = {}  # released before they parked -> until when to remember
         self.num_pairs = 0
 
     async def start(self) -> Address:
@@ -46,20 +49,33 @@ class KvSender:
     def serving(self) -> bool:
         return self._listener.serving
 
-    async def lease(self, request_id: str) -> Lease:
+    @property
+    def address(self) -> Address:
+        assert self._listener.address is not None, "start() first"
+        return self._listener.address
+
+    async def lease(self, request: EngineRequest) -> Lease:
         """The lease of a parked request. With the object store, its KV goes there now and the
-        blocks are freed at once; otherwise they stay parked until a fetch sends them."""
-        block_ids = await self.engine.parked_blocks(request_id)
+        blocks are freed at once; otherwise they stay parked until a fetch sends them (or the
+        lease expires: then the fetch finds nothing and decode recomputes)."""
+        if self._tombstones.pop(request.request_id, None) is not None:
+            self.engine.release(request.request_id)  # its ingress gave up while it was being prefilled
         cache = self.engine.kv_cache
-        shape = (cache.shape[0], 2, len(block_ids), *cache.shape[3:])
+        num_blocks = -(-len(request.prompt_token_ids) // cache.shape[3])
+        shape = (cache.shape[0], 2, num_blocks, *cache.shape[3:])
         dtype = str(cache.dtype).removeprefix("torch.")
+        block_bytes = cache[:, :, 0].numel() * cache.element_size()
         kv_ref = None
         if self.transport == "object_store":
-            packed = await asyncio.to_thread(_pack, cache, block_ids)
-            kv_ref = [ray.put(kv_as_bytes(packed))]
-            self.engine.release(request_id)
-        block_bytes = cache[:, :, 0].numel() * cache.element_size()
-        return Lease(request_id, self.name, self._listener.address, shape, dtype, block_bytes, kv_ref)
+            try:
+                block_ids = await self.engine.parked_blocks(request.request_id)
+            except KeyError:
+                pass  # the lease already expired
+            else:
+                packed = await asyncio.to_thread(_pack, cache, block_ids)
+                kv_ref = [ray.put(kv_as_bytes(packed))]
+                self.engine.release(request.request_id)
+        return Lease(request.request_id, self.name, self.address, shape, dtype, block_bytes, kv_ref)
 
     async def _serve(self, connection: Connection) -> None:
         """One peer's messages, in order."""
@@ -67,7 +83,7 @@ class KvSender:
         while (message := await connection.recv()) is not None:
             match message:
                 case ReleaseLease(request_id):
-                    self.engine.release(request_id)
+                    await self._release(request_id)
                 case OpenPair(group_name):
                     pair = await self._open_pair(connection, group_name)
                 case Fetch():
@@ -110,6 +126,14 @@ class KvSender:
         self.ledger.record([KvSent(fetch.request_id, self.transport, kv_bytes, time.perf_counter() - start,
                                    self.name, connection.peer)])
         return True
+
+    async def _release(self, request_id: str) -> None:
+        """Free a lease now; one that is not parked yet (still being prefilled) is freed when it
+        parks, so an ingress that gave up mid-prefill leaks nothing until the lease's expiry."""
+        if not await self.engine.call(core.ReleaseRequest(request_id)):
+            now = time.monotonic()
+            self._tombstones = {r: t for r, t in self._tombstones.items() if t > now}
+            self._tombstones[request_id] = now + TOMBSTONE_S
 
     def close(self) -> None:
         self._listener.close()

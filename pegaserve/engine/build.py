@@ -18,11 +18,10 @@ def load_engine(
     attention_backend: str = "auto",
     device: str = "cpu",
     dtype: torch.dtype | None = None,
-    kv_cache: torch.Tensor | None = None,
 ) -> Engine:
     """`dtype=None` serves the checkpoint's dtype on CUDA and float32 on CPU."""
     if dtype is None and device == "cpu":
         dtype = torch.float32
     cfg = ModelConfig.from_dir(model_dir, dtype=dtype)
     model = load_model(cfg, make_backend(attention_backend), device)
-    return Engine(model, config, device, kv_cache)
+    return Engine(model, config, device)

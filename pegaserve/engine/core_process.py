@@ -32,7 +32,6 @@ import torch
 from pegaserve.engine.async_engine import EngineDead, Transport
 from pegaserve.engine.config import EngineConfig
 from pegaserve.engine.core import Command, EngineCore, Health, run_loop
-from pegaserve.engine.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 _HEADER = struct.Struct("!I")
@@ -42,7 +41,7 @@ SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gette
 @dataclass(frozen=True)
 class EngineSpec:
     """Everything the child needs to build its engine; `builder` names a module-level function
-    `(spec, kv_cache) -> Engine` (the product's `build_engine_from_spec`, or a test double's)."""
+    `(spec, *builder_args) -> Engine` (the product's `build_engine_from_spec`, or a test double's)."""
 
     model_dir: str
     config: EngineConfig
@@ -53,18 +52,46 @@ class EngineSpec:
     builder_args: tuple = ()
 
 
-def build_engine_from_spec(spec: EngineSpec, kv_cache: torch.Tensor | None):
+def build_engine_from_spec(spec: EngineSpec):
     from pegaserve.engine.build import load_engine  # noqa: PLC0415 - the child's import
 
-    return load_engine(spec.model_dir, spec.config, spec.attention_backend, spec.device, kv_cache=kv_cache)
+    return load_engine(spec.model_dir, spec.config, spec.attention_backend, spec.device)
 
 
-def build_engine(spec: EngineSpec, kv_cache: torch.Tensor | None = None):
-    """The engine `spec.builder` makes (on `kv_cache` when given: the shared one)."""
+def build_engine(spec: EngineSpec):
+    """The engine `spec.builder` makes."""
     module, _, name = spec.builder.partition(":")
     builder = getattr(importlib.import_module(module), name)
-    return builder(spec, kv_cache, *spec.builder_args)
+    return builder(spec, *spec.builder_args)
 
+
+def _share(engine) -> tuple:
+    """Make the engine's KV cache (still empty) one the replica can map: a file in /dev/shm on the
+    CPU; on CUDA, torch's IPC handle of the device tensor (the reduction torch.multiprocessing uses)."""
+    cache = engine.runner.kv_cache
+    if cache.is_cuda:
+        from torch.multiprocessing.reductions import reduce_tensor  # noqa: PLC0415
+
+        return ("cuda", reduce_tensor(cache))
+    path = SHM_DIR / f"pegaserve-kv-{uuid.uuid4().hex}"
+    shared = torch.from_file(str(path), shared=True, size=cache.numel(), dtype=cache.dtype).view(cache.shape)
+    engine.runner.kv_cache = shared
+    return ("shm", (str(path), tuple(cache.shape), cache.dtype))
+
+
+def _map(kind: str, how) -> torch.Tensor:
+    """The replica's view of the engine's KV cache (`_share`'s other half)."""
+    if kind == "cuda":
+        rebuild, args = how
+        return rebuild(*args)
+    path, shape, dtype = how
+    try:
+        numel = 1
+        for n in shape:
+            numel *= n
+        return torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
+    finally:
+        Path(path).unlink(missing_ok=True)  # both processes map it now: nothing outlives them
 
 # --- framing -------------------------------------------------------------------------------------
 
@@ -99,18 +126,9 @@ def _recv(sock: socket.socket) -> object | None:
 
 class ProcessTransport(Transport):
     """Starts the engine process and talks to it. The KV cache is a file in /dev/shm that both map;
-    it is unlinked as soon as the child has mapped it, so nothing outlives the two processes."""
+    it is unlinked as soon as both have mapped it, so nothing outlives the two processes."""
 
     def __init__(self, spec: EngineSpec, start_timeout_s: float = 300.0) -> None:
-        cfg = ModelConfig.from_dir(spec.model_dir, dtype=torch.float32 if spec.device == "cpu" else None)
-        c = spec.config
-        self._shape = (cfg.num_layers, 2, c.num_blocks, c.block_size, cfg.num_kv_heads, cfg.head_dim)
-        self._dtype = cfg.dtype
-        path = SHM_DIR / f"pegaserve-kv-{uuid.uuid4().hex}"
-        numel = 1
-        for n in self._shape:
-            numel *= n
-        self._kv_cache = torch.from_file(str(path), shared=True, size=numel, dtype=self._dtype).view(self._shape)
         parent, child = socket.socketpair()
         self._sock = parent
         self._lock = threading.Lock()
@@ -120,16 +138,14 @@ class ProcessTransport(Transport):
             pass_fds=(child.fileno(),), env=env,
         )  # fmt: skip
         child.close()
-        try:
-            _send(parent, (spec, str(path), self._shape, self._dtype), self._lock)
-            parent.settimeout(start_timeout_s)
-            ready = _recv(parent)
-            parent.settimeout(None)
-        finally:
-            path.unlink(missing_ok=True)
+        _send(parent, spec, self._lock)
+        parent.settimeout(start_timeout_s)
+        ready = _recv(parent)
+        parent.settimeout(None)
         if not (isinstance(ready, tuple) and ready[0] == "ready"):
             self._process.kill()
             raise EngineDead(f"the engine process did not start: {ready!r}")
+        self._kv_cache = _map(*ready[1:])
         self._health = Health(True, False, 0.0, 0, 0)
         self._health_at = time.monotonic()
         self._dead: BaseException | None = None
@@ -195,18 +211,16 @@ class ProcessTransport(Transport):
 def _child_main(fd: int) -> None:
     sock = socket.socket(fileno=fd)
     lock = threading.Lock()
-    spec, path, shape, dtype = _recv(sock)
-    numel = 1
-    for n in shape:
-        numel *= n
-    kv_cache = torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
+    spec = _recv(sock)
     torch.set_num_threads(spec.torch_threads)
     try:
-        core = EngineCore(build_engine(spec, kv_cache))
+        engine = build_engine(spec)
+        shared = _share(engine)
     except Exception as exc:
         _send(sock, ("failed", f"{type(exc).__name__}: {exc}"), lock)
         raise
-    _send(sock, ("ready", os.getpid()), lock)
+    core = EngineCore(engine)
+    _send(sock, ("ready", *shared), lock)
     closed = threading.Event()
     last_report = [0.0]
 

@@ -53,8 +53,7 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, model, config: EngineConfig = EngineConfig(), device: str = "cpu",
-                 kv_cache: torch.Tensor | None = None) -> None:
+    def __init__(self, model, config: EngineConfig = EngineConfig(), device: str = "cpu") -> None:
         self.config = config
         self.model_config = model.config
         self.max_model_len = model.config.context_len(config.max_model_len)
@@ -62,7 +61,7 @@ class Engine:
         self.kv = KvCacheManager(self.pool, config.enable_prefix_caching)
         proposer = make_proposer(config.speculative) if config.role is not Role.PREFILL else None
         self.scheduler = Scheduler(config, self.kv, self.max_model_len, proposer)
-        self.runner = ModelRunner(model, config.num_blocks, config.block_size, device, kv_cache)
+        self.runner = ModelRunner(model, config.num_blocks, config.block_size, device)
 
     # --- admission -------------------------------------------------------------------------------
 

@@ -19,17 +19,13 @@ SCORE_CHUNK_ROWS = 64  # prompt logprobs: LM-head rows at a time (never [prompt_
 
 
 class ModelRunner:
-    def __init__(self, model, num_blocks: int, block_size: int, device: str = "cpu",
-                 kv_cache: torch.Tensor | None = None) -> None:
+    def __init__(self, model, num_blocks: int, block_size: int, device: str = "cpu") -> None:
         cfg = model.config
         self.model = model
         self.block_size = block_size
         self.device = device
         shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        if kv_cache is None:
-            kv_cache = torch.zeros(shape, dtype=cfg.dtype, device=device)
-        assert tuple(kv_cache.shape) == shape and kv_cache.dtype == cfg.dtype
-        self.kv_cache = kv_cache  # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        self.kv_cache = torch.zeros(shape, dtype=cfg.dtype, device=device)  # [layers, 2, blocks, bs, kvh, hd]
 
     @torch.inference_mode()
     def run(self, output: SchedulerOutput) -> RunnerOutput:

@@ -80,13 +80,13 @@ class ScriptedModel(nn.Module):
         return logits
 
 
-def scripted_engine(model_dir, script: Mapping[Sequence[int], Sequence[int]], config=None, kv_cache=None):
+def scripted_engine(model_dir, script: Mapping[Sequence[int], Sequence[int]], config=None):
     """An engine whose model follows `script` (see `ScriptedModel`), with the real tokenizer's vocab."""
     from pegaserve.engine.engine import Engine, EngineConfig  # noqa: PLC0415 - the engine imports nothing of ours
 
-    return Engine(ScriptedModel(ModelConfig.from_dir(model_dir), script), config or EngineConfig(), kv_cache=kv_cache)
+    return Engine(ScriptedModel(ModelConfig.from_dir(model_dir), script), config or EngineConfig())
 
 
-def build_from_spec(spec, kv_cache, script):
+def build_from_spec(spec, script):
     """`EngineSpec.builder` for an engine process running the scripted model."""
-    return scripted_engine(spec.model_dir, script, spec.config, kv_cache)
+    return scripted_engine(spec.model_dir, script, spec.config)

@@ -83,24 +83,49 @@ def test_client_disconnect_aborts_everywhere_and_frees_blocks(url):
     wait_for_idle_pools(url, replicas=2)
 
 
-def test_decode_killed_mid_stream_ends_with_an_error_event(url):
+def kill_at_chunk(app: str, deployment: str, at: int):
     killed = threading.Event()
 
-    def kill_decode(num_chunks: int) -> None:
-        if num_chunks == 5 and not killed.is_set():
-            ray.kill(replica_actor("faults", "Decode"), no_restart=True)
+    def on_chunk(num_chunks: int) -> None:
+        if num_chunks == at and not killed.is_set():
+            ray.kill(replica_actor(app, deployment), no_restart=True)
             killed.set()
 
-    lines = stream_lines(url, LONG, on_chunk=kill_decode)
+    return killed, on_chunk
+
+
+def test_decode_killed_mid_stream_resumes_the_stream(url):
+    """The stream goes on from the next token on a fresh replica: one finishing chunk, every token
+    once (tests/serve/test_migration.py checks the tokens against an undisturbed run)."""
+    killed, on_chunk = kill_at_chunk("faults", "Decode", 5)
+    lines = stream_lines(url, {**LONG, "max_tokens": 120, "return_token_ids": True}, on_chunk=on_chunk)
+    assert killed.is_set()
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    assert not any("error" in c for c in chunks)
+    finishing = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert len(finishing) == 1 and finishing[0]["choices"][0]["finish_reason"] == "length"
+    assert sum(len(c["choices"][0]["token_ids"]) for c in chunks if c["choices"]) == 120
+    record = httpx.get(f"{url}/admin/ledger/{request_id_of(lines)}").json()
+    assert record["status"] == "finished" and record["violations"] == [] and record["migrations"]
+    quick_request_succeeds(url)  # and Serve replaced the replica
+    wait_healthy(url)
+
+
+def test_decode_killed_with_no_resume_left_ends_with_an_error_event(url):
+    nomigrate = deploy("nomigrate", {"transport": "gloo", "engine": {"num_blocks": 256}, "max_migrations": 0})
+    killed, on_chunk = kill_at_chunk("nomigrate", "Decode", 5)
+    lines = stream_lines(nomigrate, LONG, on_chunk=on_chunk)
     assert killed.is_set()
     assert lines[-1] == "data: [DONE]"
     error = json.loads(lines[-2][6:])
     assert error["error"]["type"] == "internal_server_error"
+    assert "Decode" not in error["error"]["message"] and "pid" not in error["error"]["message"]  # no internals
     assert not any(json.loads(line[6:]).get("choices", [{}])[0].get("finish_reason") for line in lines[:-2])
-    record = httpx.get(f"{url}/admin/ledger/{request_id_of(lines)}").json()
+    record = httpx.get(f"{nomigrate}/admin/ledger/{request_id_of(lines)}").json()
     assert record["status"] == "error" and record["violations"] == []
-    quick_request_succeeds(url)  # Serve replaced the replica
-    wait_healthy(url)
+    quick_request_succeeds(nomigrate)
+    serve.delete("nomigrate")
 
 
 def test_prefill_killed_during_handoff_decode_recomputes(ray_url_with_slow_send):
