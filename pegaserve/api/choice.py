@@ -1,9 +1,10 @@
-"""One choice's string-level and text rules (docs/CONTRACT.md 8-18): the ingress's obligations.
+"""One choice's string-level and text rules (docs/CONTRACT.md 8-18): the frontend's obligations.
 
-A `ChoiceStream` turns the engine's token messages into client-facing deltas: it detokenizes
+A `ChoiceStream` turns one choice's engine messages into client-facing deltas: it detokenizes
 incrementally, finds stop strings (earliest end wins), cuts text and tokens at the match, holds back
-only what could still become an excluded stop string, and emits each token exactly once — a token
-whose terminal decision is still pending is held until that decision arrives.
+only what could still become an excluded stop string, and emits each token exactly once. The engine
+decides a token's finish in the message that carries the token, so a trigger is released together
+with its finish (rule 18).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pegaserve.engine.request import SampledToken, StepOutput
+from pegaserve.engine.sampler import TokenScore
 from pegaserve.stop import Eos, StopCause, String, Token
 from pegaserve.tokenizer import Detokenizer
 
@@ -45,11 +47,13 @@ class StopStrings:
 @dataclass(frozen=True)
 class ChoiceDelta:
     """What the client gets next: text, the tokens released with it, and the finish if this is the
-    finishing delta (with `finish` set, every kept token has been released)."""
+    finishing delta (with `finish` set, every kept token has been released). A choice's first delta
+    carries the prompt's scores when the request asked the engine for them."""
 
     text: str
     tokens: tuple[SampledToken, ...]
     finish: StopCause | None = None
+    prompt_logprobs: tuple[TokenScore | None, ...] | None = None
 
 
 class ChoiceStream:
@@ -62,7 +66,8 @@ class ChoiceStream:
         self._num_released_chars = 0
         self._num_released_tokens = 0
         self._gate: int | None = 0 if min_tokens == 0 else None  # where stop-string matches may end
-        self._undecided: SampledToken | None = None
+        self._prompt_logprobs: tuple[TokenScore | None, ...] | None = None
+        self._started = False  # whether a delta was released
         self.finish: StopCause | None = None
 
     @property
@@ -76,12 +81,9 @@ class ChoiceStream:
     def feed(self, output: StepOutput) -> ChoiceDelta | None:
         """Take one engine message; return the delta to send, or None when nothing is new."""
         assert self.finish is None, "no message after the finish"
-        tokens = list(output.tokens)
-        if self._undecided is not None:
-            tokens.insert(0, self._undecided)
-            self._undecided = None
-        if output.finish_pending and tokens:
-            self._undecided = tokens.pop()  # rule 18: shown only once its decision arrives
+        if output.prompt_logprobs is not None and self._prompt_logprobs is None:
+            self._prompt_logprobs = output.prompt_logprobs
+        tokens = output.tokens
         for i, token in enumerate(tokens):
             self._add(token, output.finish if i == len(tokens) - 1 else None)
             if self.finish is not None:
@@ -125,4 +127,6 @@ class ChoiceStream:
         self._num_released_chars, self._num_released_tokens = releasable, num_tokens
         if not text and not tokens and self.finish is None:
             return None
-        return ChoiceDelta(text, tokens, self.finish)
+        prompt_logprobs = None if self._started else self._prompt_logprobs
+        self._started = True
+        return ChoiceDelta(text, tokens, self.finish, prompt_logprobs)

@@ -11,7 +11,7 @@ import json
 
 from pegaserve.api.errors import ApiError
 
-PROTECTED_PREFIXES = ("/v1", "/admin")
+PROTECTED_PREFIXES = ("/v1", "/admin", "/tokenize", "/detokenize")
 
 
 class Guards:

@@ -1,33 +1,53 @@
 """OpenAI request bodies as pydantic models (strict: a string where an int belongs is a 400).
 
-Unknown fields are ignored, as OpenAI-compatible servers do; fields we know but cannot honour
-(`n > 1`, `echo`, penalties) are rejected with a 400 naming them, never silently dropped.
+Every field is one of three kinds, and tests/api/test_fields.py holds each to its kind:
+implemented (README, "The API"), accepted with no effect by definition (`user`, `metadata`,
+`parallel_tool_calls` without tools...), or in `REFUSED`: accepted only at its default, otherwise a
+400 naming it. An explicit `null` means the default for every field. Unknown fields are ignored, as
+vLLM and OpenAI do. Numbers must be finite (NaN and infinities are a 400).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, StrictBool, StrictInt, model_validator
 
 StopField = str | list[str] | None
+Role = Literal["system", "user", "assistant", "tool", "developer"]
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-    include_usage: bool = False
+class Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        # Real clients send `"top_p": null` for "not set"; a required field left null is then
+        # reported missing, naming it.
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
 
 
-class SamplingFields(BaseModel):
-    """The parameters both endpoints share (docs/CONTRACT.md, request parameters)."""
+class StreamOptions(Body):
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # every chunk carries the usage so far (needs include_usage)
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+
+class ResponseFormat(Body):
+    type: str  # only "text" is served
+
+
+class SamplingFields(Body):
+    """The parameters both endpoints share (docs/CONTRACT.md, request parameters, and README)."""
 
     model: str | None = None
     max_tokens: StrictInt | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: StrictInt = 0  # 0 or -1: disabled
+    min_p: float = 0.0
     seed: StrictInt | None = None
     stop: StopField = None
     stop_token_ids: list[StrictInt] | None = None
@@ -35,7 +55,9 @@ class SamplingFields(BaseModel):
     min_tokens: StrictInt = 0
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
+    spaces_between_special_tokens: StrictBool = True  # no effect: byte-level tokens decode as they are
     return_token_ids: StrictBool = False
+    return_tokens_as_token_ids: StrictBool = False
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: StrictInt = 1
@@ -43,21 +65,44 @@ class SamplingFields(BaseModel):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    prompt_logprobs: StrictInt | None = None
+    truncate_prompt_tokens: StrictInt | None = None
+    truncation_side: Literal["left", "right"] = "left"
+    response_format: ResponseFormat | None = None
+    echo: StrictBool = False
+    user: str | None = None  # no effect: an end-user label
+    request_id: str | None = None  # the client's correlation id, like the X-Request-Id header
+    # Refused unless at their defaults (`REFUSED`):
+    use_beam_search: StrictBool = False
+    length_penalty: float = 1.0
+    allowed_token_ids: list[StrictInt] | None = None
+    bad_words: list[str] | None = None
+    logprob_token_ids: list[StrictInt] | None = None
+    structured_outputs: JsonValue = None
+    guided_json: JsonValue = None
+    guided_regex: JsonValue = None
+    guided_choice: JsonValue = None
+    guided_grammar: JsonValue = None
+    priority: StrictInt = 0
+    cache_salt: str | None = None
+    kv_transfer_params: JsonValue = None
+    vllm_xargs: JsonValue = None
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     logprobs: StrictInt | None = None
-    echo: StrictBool = False
-    suffix: str | None = None
-    best_of: StrictInt | None = None
+    best_of: StrictInt | None = None  # only 1 or n
+    add_special_tokens: StrictBool = True
+    suffix: str | None = None  # refused unless empty
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[Annotated[dict, Field()]] | None = None
+class ChatMessage(Body):
+    role: Role
+    content: str | list[dict[str, JsonValue]] | None = None  # text parts only
+    name: str | None = None  # passed to the chat template, as the rest
+    tool_calls: list[JsonValue] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -66,14 +111,50 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    add_special_tokens: StrictBool = False
+    chat_template_kwargs: dict[str, JsonValue] | None = None
+    tools: list[JsonValue] | None = None  # refused unless empty
+    tool_choice: JsonValue = None  # "none", or "auto" without tools
+    parallel_tool_calls: StrictBool = True  # no effect: no tools
+    service_tier: Literal["auto", "default"] | None = None  # no effect: one tier
+    metadata: dict[str, str] | None = None  # no effect: nothing is stored
+    store: StrictBool = False  # refused if true
+    modalities: list[Literal["text"]] | None = None
+    # Refused unless at their defaults (`REFUSED`):
+    chat_template: str | None = None
+    documents: JsonValue = None
+    functions: JsonValue = None
+    function_call: JsonValue = None
+    reasoning_effort: JsonValue = None
+    audio: JsonValue = None
+    prediction: JsonValue = None
+    web_search_options: JsonValue = None
 
 
-class ErrorBody(BaseModel):
-    message: str
-    type: str
-    param: str | None
-    code: int | str | None
+REFUSED_SHARED = (
+    "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words", "logprob_token_ids", "structured_outputs",
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "priority", "cache_salt", "kv_transfer_params",
+    "vllm_xargs",
+)
+REFUSED_COMPLETION = (*REFUSED_SHARED, "suffix")
+REFUSED_CHAT = (*REFUSED_SHARED, "store", "tools", "chat_template", "documents", "functions", "function_call",
+                "reasoning_effort", "audio", "prediction", "web_search_options")
 
 
-class ErrorResponse(BaseModel):
-    error: ErrorBody
+class TokenizeRequest(Body):
+    """vLLM's /tokenize: a `prompt`, or `messages` rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool | None = None  # default: true for a prompt, false for messages
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, JsonValue] | None = None
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(Body):
+    model: str | None = None
+    tokens: list[StrictInt] = Field(max_length=1_000_000)

@@ -1,17 +1,26 @@
-"""From a validated body to engine requests: every docs/CONTRACT.md validation rule lives here, so bad
-input never reaches an engine."""
+"""From a parsed body to what the engine runs: every docs/CONTRACT.md validation rule, and every
+parameter's range, lives here, so bad input never reaches an engine. Each refusal is a 400 naming
+the parameter."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from pegaserve.api.choice import StopStrings
 from pegaserve.api.errors import ApiError, invalid
+from pegaserve.api.model_info import ModelInfo
 from pegaserve.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from pegaserve.engine.request import SamplingParams
 from pegaserve.stop import StopPolicy
 
 MAX_LOGPROBS = 20
+GREEDY_BELOW = 1e-5  # vLLM's threshold: a smaller temperature is greedy
+# fp32 logits divided by a smaller penalty overflow to inf; any penalty this small already makes
+# every repeated token with a positive logit win, so smaller ones act as this one.
+MIN_REPETITION_PENALTY = 1e-6
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on each bias
+INT64 = (-(2**63), 2**63 - 1)
 
 
 @dataclass(frozen=True)
@@ -25,117 +34,200 @@ class Limits:
     max_body_bytes: int = 4 * 1024 * 1024  # a whole-vocabulary stop_token_ids list is about 1 MB
     max_prompt_tokens: int | None = None  # None: only the context length limits the prompt
     max_tokens: int | None = None  # a cap on max_tokens; None: only the context limits it
+    max_choices: int = 128  # choices in one request: prompts times n (OpenAI's n is at most 128)
+    max_logit_bias: int = 2048  # entries in logit_bias
 
 
 @dataclass(frozen=True)
-class ModelInfo:
-    """What validation needs to know about the served model."""
-
-    name: str
-    root: str
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: frozenset[int]
-
-
-@dataclass(frozen=True)
-class ChoicePlan:
-    """Everything needed to run one choice: engine-side parameters and ingress-side obligations."""
+class PromptPlan:
+    """One prompt of a request: what its engine request carries (`n` choices share it) and what
+    the frontend owes each of its choices."""
 
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     policy: StopPolicy
     stops: StopStrings
     skip_special_tokens: bool
+    num_prompt_logprobs: int | None  # None: the engine does not score the prompt
+    echo_text: str = ""  # shown before each choice's text (echo)
 
 
-def check_model(body: SamplingFields, model: ModelInfo) -> None:
-    if body.model is not None and body.model not in (model.name, model.root):
-        raise ApiError(f"The model `{body.model}` does not exist.", param="model", status=404)
+def check_model(model: str | None, info: ModelInfo) -> None:
+    if model is not None and model not in (info.name, info.root):
+        raise ApiError(f"The model `{model}` does not exist.", param="model", status=404)
 
 
-def check_unsupported(body: SamplingFields) -> None:
-    if body.n != 1:
-        raise invalid("n", "only n=1 is supported")
-    if body.presence_penalty != 0.0 or body.frequency_penalty != 0.0 or body.repetition_penalty != 1.0:
-        param = "presence_penalty" if body.presence_penalty else (
-            "frequency_penalty" if body.frequency_penalty else "repetition_penalty")
-        raise invalid(param, "penalties are not supported")
-    if body.logit_bias:
-        raise invalid("logit_bias", "logit_bias is not supported")
-    if body.stream_options is not None and not body.stream:
-        raise invalid("stream_options", "stream_options is only allowed when stream is true")
+def check_refused(body: SamplingFields, names: tuple[str, ...]) -> None:
+    """Fields pegaserve knows but does not serve: accepted at their defaults (or an empty list,
+    e.g. `tools: []`) only."""
+    for name in names:
+        value, default = getattr(body, name), type(body).model_fields[name].default
+        if value != default and value != [] and value != "":
+            raise invalid(name, f"is not supported (only {default!r})")
 
 
-def check_prompt_ids(ids: list[int], model: ModelInfo, param: str, limits: Limits) -> tuple[int, ...]:
-    if not ids:
-        raise invalid(param, "the prompt is empty")
-    if limits.max_prompt_tokens is not None and len(ids) > limits.max_prompt_tokens:
-        raise invalid(param, f"the prompt has {len(ids)} tokens; this server accepts at most {limits.max_prompt_tokens}")
+def check_common(body: SamplingFields, num_prompts: int, limits: Limits) -> None:
+    """What holds for the whole request, before any prompt is looked at."""
+    if body.stream_options is not None:
+        if not body.stream:
+            raise invalid("stream_options", "stream_options is only allowed when stream is true")
+        if body.stream_options.continuous_usage_stats and not body.stream_options.include_usage:
+            raise invalid("stream_options", "continuous_usage_stats needs include_usage")
+    if body.n < 1:
+        raise invalid("n", f"must be at least 1, got {body.n}")
+    if body.n * num_prompts > limits.max_choices:
+        raise invalid("n", f"{num_prompts} prompt(s) times n={body.n} is more than {limits.max_choices} choices")
+    if body.response_format is not None and body.response_format.type != "text":
+        raise invalid("response_format", f"only {{'type': 'text'}} is supported, got {body.response_format.type!r}")
+    if body.seed is not None and not INT64[0] <= body.seed <= INT64[1]:
+        raise invalid("seed", f"must be a 64-bit integer, got {body.seed}")
+    if body.prompt_logprobs is not None:
+        if not 0 <= body.prompt_logprobs <= limits.max_logprobs:
+            raise invalid("prompt_logprobs", f"must be between 0 and {limits.max_logprobs}, got {body.prompt_logprobs}")
+        if body.stream:
+            raise invalid("prompt_logprobs", "prompt_logprobs are not available when stream is true")
+    if body.truncate_prompt_tokens is not None and body.truncate_prompt_tokens < 1 \
+            and body.truncate_prompt_tokens != -1:
+        raise invalid("truncate_prompt_tokens", f"must be -1 or at least 1, got {body.truncate_prompt_tokens}")
+
+
+def check_completion(body: CompletionRequest, limits: Limits) -> int | None:
+    """The completions-only fields; returns the logprobs' top-N (None: no logprobs)."""
+    if body.best_of is not None and body.best_of != 1 and body.best_of != body.n:
+        raise invalid("best_of", f"only best_of=1 or best_of=n (all choices returned) is supported, got {body.best_of}")
+    if body.logprobs is not None and not 0 <= body.logprobs <= limits.max_logprobs:
+        raise invalid("logprobs", f"must be between 0 and {limits.max_logprobs}, got {body.logprobs}")
+    return body.logprobs
+
+
+def check_chat(body: ChatCompletionRequest, limits: Limits) -> int | None:
+    """The chat-only fields; returns the logprobs' top-N (None: no logprobs)."""
+    if not body.messages:
+        raise invalid("messages", "at least one message is required")
+    if body.continue_final_message and body.add_generation_prompt:
+        raise invalid("continue_final_message", "cannot be used with add_generation_prompt (set it to false)")
+    if body.tool_choice not in (None, "none") and not (body.tool_choice == "auto" and not body.tools):
+        raise invalid("tool_choice", "tools are not supported: only 'none' (or 'auto' without tools)")
+    if body.top_logprobs is not None:
+        if not body.logprobs:
+            raise invalid("top_logprobs", "requires logprobs to be true")
+        if not 0 <= body.top_logprobs <= limits.max_logprobs:
+            raise invalid("top_logprobs", f"must be between 0 and {limits.max_logprobs}, got {body.top_logprobs}")
+    return (body.top_logprobs or 0) if body.logprobs else None
+
+
+def check_prompt_ids(ids: list[int], body: SamplingFields, model: ModelInfo, param: str,
+                     limits: Limits) -> tuple[int, ...]:
     bad = next((i for i in ids if not 0 <= i < model.vocab_size), None)
     if bad is not None:
         raise invalid(param, f"token id {bad} is outside the vocabulary [0, {model.vocab_size})")
+    if body.truncate_prompt_tokens is not None:
+        keep = model.max_model_len if body.truncate_prompt_tokens == -1 else body.truncate_prompt_tokens
+        ids = ids[-keep:] if body.truncation_side == "left" else ids[:keep]
+    if not ids:
+        raise invalid(param, "the prompt is empty")
+    if limits.max_prompt_tokens is not None and len(ids) > limits.max_prompt_tokens:
+        raise invalid(param, f"the prompt has {len(ids)} tokens; this server takes at most {limits.max_prompt_tokens}")
     if len(ids) >= model.max_model_len:
         raise invalid(param, f"the prompt has {len(ids)} tokens; it alone fills the context of {model.max_model_len}")
     return tuple(ids)
 
 
-def plan_choice(
+def plan_prompt(
     body: SamplingFields,
     prompt_ids: tuple[int, ...],
     model: ModelInfo,
     limits: Limits,
-    max_tokens: int | None,
-    num_top_logprobs: int,
-    max_tokens_param: str = "max_tokens",
-) -> ChoicePlan:
+    max_tokens: tuple[int | None, str],
+    num_top_logprobs: int | None,
+    echo_text: str | None = None,
+) -> PromptPlan:
+    """`max_tokens` is (value, the parameter that gave it); `echo_text` is None without echo, and
+    with it `max_tokens=0` only scores the prompt."""
+    policy = _policy(body, prompt_ids, model, limits, *max_tokens, echo=echo_text is not None)
+    num_prompt_logprobs = body.prompt_logprobs
+    if echo_text is not None and num_top_logprobs is not None:  # echo shows the prompt's logprobs too
+        num_prompt_logprobs = max(num_prompt_logprobs or 0, num_top_logprobs)
+    return PromptPlan(
+        prompt_token_ids=prompt_ids,
+        sampling=_sampling(body, num_top_logprobs or 0, model, limits),
+        policy=policy,
+        stops=StopStrings(_stop_strings(body, limits), body.include_stop_str_in_output),
+        skip_special_tokens=body.skip_special_tokens,
+        num_prompt_logprobs=num_prompt_logprobs,
+        echo_text=echo_text or "",
+    )
+
+
+def _policy(body: SamplingFields, prompt_ids: tuple[int, ...], model: ModelInfo, limits: Limits,
+            max_tokens: int | None, param: str, echo: bool) -> StopPolicy:
     room = model.max_model_len - len(prompt_ids)
     if max_tokens is None:
         max_tokens = room if limits.max_tokens is None else min(room, limits.max_tokens)
-    if max_tokens < 1:
-        raise invalid(max_tokens_param, f"must be at least 1, got {max_tokens}")
+    if max_tokens < 1 and not (echo and max_tokens == 0):
+        raise invalid(param, f"must be at least 1 (0 only with echo, to score the prompt), got {max_tokens}")
     if limits.max_tokens is not None and max_tokens > limits.max_tokens:
-        raise invalid(max_tokens_param, f"this server generates at most {limits.max_tokens} tokens, got {max_tokens}")
+        raise invalid(param, f"this server generates at most {limits.max_tokens} tokens, got {max_tokens}")
     if max_tokens > room:
-        raise invalid(
-            max_tokens_param,
-            f"{max_tokens} tokens requested but the context of {model.max_model_len} leaves {room} "
-            f"after the prompt's {len(prompt_ids)} tokens",
-        )
+        raise invalid(param, f"{max_tokens} tokens requested but the context of {model.max_model_len} leaves {room} "
+                             f"after the prompt's {len(prompt_ids)} tokens")
     if not 0 <= body.min_tokens <= max_tokens:
         raise invalid("min_tokens", f"must be between 0 and max_tokens ({max_tokens}), got {body.min_tokens}")
     stop_ids = _stop_token_ids(body, model, limits)
-    if body.min_tokens > 0 and _masks_everything(stop_ids, body, model):
+    masked = stop_ids if body.ignore_eos else stop_ids | model.eos_token_ids
+    if body.min_tokens > 0 and len(masked) >= model.vocab_size:
         raise invalid("min_tokens", "cannot be honoured: stop_token_ids (with EOS) cover the whole vocabulary")
-    return ChoicePlan(
-        prompt_token_ids=prompt_ids,
-        sampling=_sampling(body, num_top_logprobs),
-        policy=StopPolicy(
-            max_tokens=max_tokens,
-            eos_token_ids=model.eos_token_ids,
-            stop_token_ids=stop_ids,
-            ignore_eos=body.ignore_eos,
-            min_tokens=body.min_tokens,
-        ),
-        stops=StopStrings(_stop_strings(body, limits), body.include_stop_str_in_output),
-        skip_special_tokens=body.skip_special_tokens,
-    )
+    return StopPolicy(max_tokens=max_tokens, eos_token_ids=model.eos_token_ids, stop_token_ids=stop_ids,
+                      ignore_eos=body.ignore_eos, min_tokens=body.min_tokens)
 
 
-def _sampling(body: SamplingFields, num_top_logprobs: int) -> SamplingParams:
-    if not 0.0 <= body.temperature <= 2.0:
-        raise invalid("temperature", f"must be in [0, 2], got {body.temperature}")
-    if not 0.0 < body.top_p <= 1.0:
-        raise invalid("top_p", f"must be in (0, 1], got {body.top_p}")
+def _sampling(body: SamplingFields, num_top_logprobs: int, model: ModelInfo, limits: Limits) -> SamplingParams:
+    _check_range("temperature", body.temperature, 0.0, 2.0)
+    _check_range("top_p", body.top_p, 0.0, 1.0, open_low=True)
+    _check_range("min_p", body.min_p, 0.0, 1.0)
+    _check_range("presence_penalty", body.presence_penalty, -2.0, 2.0)
+    _check_range("frequency_penalty", body.frequency_penalty, -2.0, 2.0)
+    _check_range("repetition_penalty", body.repetition_penalty, 0.0, 2.0, open_low=True)
     if body.top_k < -1:
         raise invalid("top_k", f"must be -1 (disabled), 0 (disabled) or positive, got {body.top_k}")
     return SamplingParams(
-        temperature=body.temperature,
+        temperature=0.0 if body.temperature < GREEDY_BELOW else body.temperature,
         top_p=body.top_p,
-        top_k=max(body.top_k, 0),
+        top_k=min(max(body.top_k, 0), model.vocab_size),
         seed=body.seed,
         num_top_logprobs=num_top_logprobs,
+        min_p=body.min_p,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=1.0 if body.repetition_penalty == 1.0 else max(body.repetition_penalty,
+                                                                           MIN_REPETITION_PENALTY),
+        logit_bias=_logit_bias(body, model, limits),
     )
+
+
+def _check_range(param: str, value: float, low: float, high: float, open_low: bool = False) -> None:
+    inside = math.isfinite(value) and (low < value if open_low else low <= value) and value <= high
+    if not inside:
+        raise invalid(param, f"must be in {'(' if open_low else '['}{low:g}, {high:g}], got {value!r}")
+
+
+def _logit_bias(body: SamplingFields, model: ModelInfo, limits: Limits) -> tuple[tuple[int, float], ...]:
+    if not body.logit_bias:
+        return ()
+    if len(body.logit_bias) > limits.max_logit_bias:
+        raise invalid("logit_bias", f"at most {limits.max_logit_bias} entries, got {len(body.logit_bias)}")
+    biases: dict[int, float] = {}
+    for key, bias in body.logit_bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise invalid("logit_bias", f"keys must be token ids, got {key!r}") from None
+        if not 0 <= token_id < model.vocab_size:
+            raise invalid("logit_bias", f"token id {token_id} is outside the vocabulary [0, {model.vocab_size})")
+        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise invalid("logit_bias", f"biases must be in [-100, 100], got {bias!r} for token {token_id}")
+        biases[token_id] = float(bias)
+    return tuple(sorted((t, b) for t, b in biases.items() if b != 0.0))
 
 
 def _stop_strings(body: SamplingFields, limits: Limits) -> tuple[str, ...]:
@@ -158,35 +250,3 @@ def _stop_token_ids(body: SamplingFields, model: ModelInfo, limits: Limits) -> f
     if bad is not None:
         raise invalid("stop_token_ids", f"token id {bad} is outside the vocabulary [0, {model.vocab_size})")
     return frozenset(ids)
-
-
-def _masks_everything(stop_ids: frozenset[int], body: SamplingFields, model: ModelInfo) -> bool:
-    masked = stop_ids if body.ignore_eos else stop_ids | model.eos_token_ids
-    return len(masked) >= model.vocab_size
-
-
-def completion_logprobs(body: CompletionRequest, limits: Limits) -> int:
-    if body.logprobs is None:
-        return 0
-    if not 0 <= body.logprobs <= limits.max_logprobs:
-        raise invalid("logprobs", f"must be between 0 and {limits.max_logprobs}, got {body.logprobs}")
-    return body.logprobs
-
-
-def chat_logprobs(body: ChatCompletionRequest, limits: Limits) -> int:
-    if body.top_logprobs is None:
-        return 0
-    if not body.logprobs:
-        raise invalid("top_logprobs", "requires logprobs to be true")
-    if not 0 <= body.top_logprobs <= limits.max_logprobs:
-        raise invalid("top_logprobs", f"must be between 0 and {limits.max_logprobs}, got {body.top_logprobs}")
-    return body.top_logprobs
-
-
-def check_completion_only(body: CompletionRequest) -> None:
-    if body.echo:
-        raise invalid("echo", "echo is not supported")
-    if body.suffix:
-        raise invalid("suffix", "suffix is not supported")
-    if body.best_of not in (None, 1):
-        raise invalid("best_of", "only best_of=1 is supported")

@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import enum
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pegaserve.api.choice import ChoiceDelta
 from pegaserve.engine.request import SampledToken
+from pegaserve.engine.sampler import TokenScore
 from pegaserve.stop import StopCause, finish_reason, stop_reason
+
+NO_LOGPROB = -9999.0  # vLLM's stand-in for -inf, which JSON cannot carry
+
+
+class Endpoint(enum.Enum):
+    COMPLETIONS = "completions"
+    CHAT = "chat"
 
 
 @dataclass
@@ -15,116 +26,178 @@ class ChoiceResult:
 
     index: int
     prompt_token_ids: tuple[int, ...]
+    echo_text: str = ""
     text: str = ""
     tokens: list[SampledToken] = field(default_factory=list)
     finish: StopCause | None = None
+    prompt_logprobs: tuple[TokenScore | None, ...] | None = None
+    num_deltas: int = 0
 
     def add(self, delta: ChoiceDelta) -> None:
         self.text += delta.text
         self.tokens += delta.tokens
         self.finish = delta.finish or self.finish
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        self.num_deltas += 1
 
 
-def usage(choices: list[ChoiceResult]) -> dict:
-    prompt = sum(len(c.prompt_token_ids) for c in choices)
-    completion = sum(len(c.tokens) for c in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    def body(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+def logprob(value: float) -> float:
+    return value if math.isfinite(value) else NO_LOGPROB
 
 
 class Wire:
-    """Formats choices for one endpoint. `decode_token` renders a single id for logprobs."""
+    """Formats one request's choices for its endpoint.
 
-    def __init__(self, chat: bool, request_id: str, model: str, created: int, decode_token, num_top_logprobs: int,
-                 logprobs: bool, return_token_ids: bool) -> None:
-        self.chat = chat
-        self.request_id = request_id
+    `num_top_logprobs` is None without logprobs; `num_prompt_logprobs` None without the
+    `prompt_logprobs` field; `decode_token` renders one id (logprobs, echo, prompt logprobs).
+    """
+
+    def __init__(self, *, endpoint: Endpoint, response_id: str, model: str, created: int,
+                 decode_token: Callable[[int], str], num_top_logprobs: int | None = None,
+                 num_prompt_logprobs: int | None = None, return_token_ids: bool = False,
+                 tokens_as_ids: bool = False, echo: bool = False, role: str = "assistant") -> None:
+        self.endpoint = endpoint
+        self.response_id = response_id
         self.model = model
         self.created = created
-        self.decode_token = decode_token
+        self._decode_token = decode_token
         self.num_top_logprobs = num_top_logprobs
-        self.logprobs = logprobs
+        self.num_prompt_logprobs = num_prompt_logprobs
         self.return_token_ids = return_token_ids
+        self.tokens_as_ids = tokens_as_ids
+        self.echo = echo  # completions: the prompt's tokens lead the first logprobs
+        self.role = role
         self._text_offsets: dict[int, int] = {}
+
+    @property
+    def chat(self) -> bool:
+        return self.endpoint is Endpoint.CHAT
+
+    def token_text(self, token_id: int) -> str:
+        return f"token_id:{token_id}" if self.tokens_as_ids else self._decode_token(token_id)
+
+    # --- bodies ----------------------------------------------------------------------------------
+
+    def response(self, choices: list[ChoiceResult], usage: Usage) -> dict:
+        body = self._envelope(chunk=False)
+        body["choices"] = [self._choice(c, c.echo_text + c.text, c.tokens, c.finish, first=True, chunk=False)
+                           for c in choices]
+        body["usage"] = usage.body()
+        if self.return_token_ids:
+            body["prompt_token_ids"] = list(choices[0].prompt_token_ids) if len(choices) == 1 else None
+        if self.chat and self.num_prompt_logprobs is not None:
+            body["prompt_logprobs"] = self._prompt_logprobs(choices[0])
+        return body
+
+    def role_chunk(self, index: int, usage: Usage | None = None) -> dict:
+        body = self._envelope(chunk=True)
+        body["choices"] = [{"index": index, "delta": {"role": self.role, "content": ""}, "logprobs": None,
+                            "finish_reason": None, "stop_reason": None}]
+        if usage is not None:
+            body["usage"] = usage.body()
+        return body
+
+    def chunk(self, result: ChoiceResult, delta: ChoiceDelta, usage: Usage | None = None) -> dict:
+        """`result` already holds `delta`: its first delta shows the echo and the prompt ids."""
+        first = result.num_deltas == 1
+        text = (result.echo_text if first else "") + delta.text
+        body = self._envelope(chunk=True)
+        body["choices"] = [self._choice(result, text, delta.tokens, delta.finish, first, chunk=True)]
+        if first and self.return_token_ids:
+            body["prompt_token_ids"] = list(result.prompt_token_ids)
+        if usage is not None:
+            body["usage"] = usage.body()
+        return body
+
+    def usage_chunk(self, usage: Usage) -> dict:
+        body = self._envelope(chunk=True)
+        body["choices"] = []
+        body["usage"] = usage.body()
+        return body
 
     def _envelope(self, chunk: bool) -> dict:
         if self.chat:
             obj = "chat.completion.chunk" if chunk else "chat.completion"
         else:
             obj = "text_completion"
-        return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model}
+        return {"id": self.response_id, "object": obj, "created": self.created, "model": self.model}
 
-    def _choice(self, index: int, text: str, tokens: list[SampledToken] | tuple, finish: StopCause | None,
-                chunk: bool) -> dict:
-        body: dict = {"index": index}
+    def _choice(self, result: ChoiceResult, text: str, tokens: Sequence[SampledToken], finish: StopCause | None,
+                first: bool, chunk: bool) -> dict:
+        body: dict = {"index": result.index}
         if self.chat:
-            body["delta" if chunk else "message"] = {"content": text} if chunk else {"role": "assistant", "content": text}
+            body["delta" if chunk else "message"] = {"content": text} if chunk else {"role": self.role, "content": text}
         else:
             body["text"] = text
-        body["logprobs"] = self._logprobs(index, tokens) if self.logprobs else None
+        body["logprobs"] = None if self.num_top_logprobs is None else self._logprobs(result, tokens, first)
         body["finish_reason"] = finish_reason(finish) if finish else None
         body["stop_reason"] = stop_reason(finish) if finish else None
         if self.return_token_ids:
             body["token_ids"] = [t.token_id for t in tokens]
+            if not self.chat and first:
+                body["prompt_token_ids"] = list(result.prompt_token_ids)
+        if not self.chat and not chunk and self.num_prompt_logprobs is not None:
+            body["prompt_logprobs"] = self._prompt_logprobs(result)
         return body
 
-    def _logprobs(self, index: int, tokens) -> dict:
+    # --- logprobs --------------------------------------------------------------------------------
+
+    def _logprobs(self, result: ChoiceResult, tokens: Sequence[SampledToken], first: bool) -> dict:
         if self.chat:
             return {"content": [self._chat_logprob(t) for t in tokens]}
-        strings = [self.decode_token(t.token_id) for t in tokens]
-        offsets = []
-        offset = self._text_offsets.get(index, 0)
+        strings, logprobs, tops = [], [], []
+        if first and self.echo and result.prompt_logprobs is not None:  # echo: the prompt's tokens first
+            for token_id, score in zip(result.prompt_token_ids, result.prompt_logprobs):
+                strings.append(self.token_text(token_id))
+                logprobs.append(None if score is None else logprob(score.logprob))
+                tops.append(None if score is None else self._top(score.top_logprobs))
+        for t in tokens:
+            strings.append(self.token_text(t.token_id))
+            logprobs.append(logprob(t.logprob))
+            tops.append(self._top(t.top_logprobs))
+        offsets, offset = [], self._text_offsets.get(result.index, 0)
         for s in strings:
             offsets.append(offset)
             offset += len(s)
-        self._text_offsets[index] = offset
-        return {
-            "tokens": strings,
-            "token_logprobs": [t.logprob for t in tokens],
-            "top_logprobs": [
-                {self.decode_token(i): lp for i, lp in t.top_logprobs} for t in tokens
-            ] if self.num_top_logprobs else None,
-            "text_offset": offsets,
-        }
+        self._text_offsets[result.index] = offset
+        return {"tokens": strings, "token_logprobs": logprobs,
+                "top_logprobs": tops if self.num_top_logprobs else None, "text_offset": offsets}
+
+    def _top(self, top: tuple[tuple[int, float], ...]) -> dict[str, float]:
+        return {self.token_text(i): logprob(lp) for i, lp in top[: self.num_top_logprobs]}
 
     def _chat_logprob(self, token: SampledToken) -> dict:
-        def entry(token_id: int, logprob: float) -> dict:
-            text = self.decode_token(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        def entry(token_id: int, value: float) -> dict:
+            text = self.token_text(token_id)
+            return {"token": text, "logprob": logprob(value), "bytes": list(text.encode())}
 
         return {
             **entry(token.token_id, token.logprob),
             "top_logprobs": [entry(i, lp) for i, lp in token.top_logprobs[: self.num_top_logprobs]],
         }
 
-    def response(self, choices: list[ChoiceResult]) -> dict:
-        body = self._envelope(chunk=False)
-        body["choices"] = [self._choice(c.index, c.text, c.tokens, c.finish, chunk=False) for c in choices]
-        body["usage"] = usage(choices)
-        if self.return_token_ids:
-            self._add_prompt_ids(body, choices)
-        return body
+    def _prompt_logprobs(self, result: ChoiceResult) -> list[dict | None] | None:
+        """vLLM's shape: null for the first token, then per token {id: {logprob, rank,
+        decoded_token}} for the token itself and the top `prompt_logprobs` alternatives."""
+        if result.prompt_logprobs is None:
+            return None
+        return [None if score is None else self._scored(score) for score in result.prompt_logprobs]
 
-    def _add_prompt_ids(self, body: dict, choices: list[ChoiceResult]) -> None:
-        body["prompt_token_ids"] = list(choices[0].prompt_token_ids) if len(choices) == 1 else None
-        if not self.chat:
-            for out, c in zip(body["choices"], choices):
-                out["prompt_token_ids"] = list(c.prompt_token_ids)
-
-    def role_chunk(self, index: int) -> dict:
-        body = self._envelope(chunk=True)
-        body["choices"] = [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                            "finish_reason": None, "stop_reason": None}]
-        return body
-
-    def chunk(self, index: int, delta: ChoiceDelta, prompt_token_ids: tuple[int, ...] | None = None) -> dict:
-        body = self._envelope(chunk=True)
-        body["choices"] = [self._choice(index, delta.text, delta.tokens, delta.finish, chunk=True)]
-        if prompt_token_ids is not None:
-            body["prompt_token_ids"] = list(prompt_token_ids)
-        return body
-
-    def usage_chunk(self, choices: list[ChoiceResult]) -> dict:
-        body = self._envelope(chunk=True)
-        body["choices"] = []
-        body["usage"] = usage(choices)
-        return body
+    def _scored(self, score: TokenScore) -> dict:
+        entries = {str(score.token_id): {"logprob": logprob(score.logprob), "rank": score.rank,
+                                         "decoded_token": self._decode_token(score.token_id)}}
+        for rank, (token_id, value) in enumerate(score.top_logprobs[: self.num_prompt_logprobs], start=1):
+            entries.setdefault(str(token_id), {"logprob": logprob(value), "rank": rank,
+                                               "decoded_token": self._decode_token(token_id)})
+        return entries

@@ -1,0 +1,53 @@
+"""Reading a request body: JSON, then text that can be encoded, then the pydantic model. Every
+failure is a 400 naming the parameter (never a 422 or a 500)."""
+
+from __future__ import annotations
+
+import json
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from pegaserve.api.errors import ApiError, invalid
+
+Model = TypeVar("Model", bound=BaseModel)
+
+
+def parse_body(raw: bytes, model: type[Model]) -> Model:
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ApiError(f"malformed JSON: {exc}", param=None) from exc
+    if not isinstance(data, dict):
+        raise ApiError("the request body must be a JSON object", param=None)
+    for key, value in data.items():
+        if not _encodable(key) or not _encodable(value):
+            raise invalid(key if _encodable(key) else "body", "holds text that is not valid Unicode (a lone surrogate)")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise _first_complaint(exc) from None
+
+
+def _encodable(value: object) -> bool:
+    """Whether every string in `value` (keys included) encodes to UTF-8: JSON's `\\ud800` is a
+    valid escape, but a lone surrogate is no character, and the tokenizer cannot take it."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return False
+        return True
+    if isinstance(value, list):
+        return all(_encodable(v) for v in value)
+    if isinstance(value, dict):
+        return all(_encodable(k) and _encodable(v) for k, v in value.items())
+    return True
+
+
+def _first_complaint(exc: ValidationError) -> ApiError:
+    """pydantic's first complaint, naming the top-level parameter it is about."""
+    first = exc.errors(include_url=False, include_input=False)[0]
+    loc = [str(p) for p in first.get("loc", ())]
+    where = ".".join(loc) or "body"
+    return ApiError(f"{where}: {first.get('msg')}", param=loc[0] if loc else None)

@@ -1,0 +1,143 @@
+"""From a parsed body to a `Job`: the prompts' token ids (the chat template for chat), each
+prompt's plan, the echo, and the wire format. Shared by the completions and chat endpoints; the
+prompt rendering is also what /tokenize answers."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from pegaserve.api import validation as v
+from pegaserve.api.errors import invalid
+from pegaserve.api.frontend import Frontend, Job, new_response_id, now_s
+from pegaserve.api.protocol import (
+    REFUSED_CHAT,
+    REFUSED_COMPLETION,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    SamplingFields,
+)
+from pegaserve.api.wire import Endpoint, Wire
+from pegaserve.tokenizer import Tokenizer
+
+MAX_CLIENT_ID_CHARS = 256
+_TEMPLATE_RESERVED = {"messages", "add_generation_prompt", "continue_final_message", "tokenize", "tools"}
+
+
+def completion_job(frontend: Frontend, body: CompletionRequest, header_id: str | None) -> Job:
+    v.check_model(body.model, frontend.model)
+    v.check_refused(body, REFUSED_COMPLETION)
+    prompts = _split_prompts(body.prompt)
+    v.check_common(body, len(prompts), frontend.limits)
+    num_top = v.check_completion(body, frontend.limits)
+    plans = []
+    for prompt in prompts:
+        raw = encode(frontend.tokenizer, prompt, body.add_special_tokens) if isinstance(prompt, str) else list(prompt)
+        ids = v.check_prompt_ids(raw, body, frontend.model, "prompt", frontend.limits)
+        echo = None
+        if body.echo:  # the prompt as the client sent it, or (ids, or truncated) as the model saw it
+            echo = prompt if isinstance(prompt, str) and len(ids) == len(raw) \
+                else frontend.tokenizer.decode(list(ids), skip_special_tokens=False)
+        plans.append(v.plan_prompt(body, ids, frontend.model, frontend.limits, (body.max_tokens, "max_tokens"),
+                                   num_top, echo))
+    response_id = new_response_id("cmpl")
+    wire = _wire(frontend, body, Endpoint.COMPLETIONS, response_id, num_top, echo=body.echo)
+    return _job(body, response_id, header_id, plans, wire)
+
+
+def chat_job(frontend: Frontend, body: ChatCompletionRequest, header_id: str | None) -> Job:
+    v.check_model(body.model, frontend.model)
+    v.check_refused(body, REFUSED_CHAT)
+    v.check_common(body, 1, frontend.limits)
+    num_top = v.check_chat(body, frontend.limits)
+    text = render_chat(frontend.tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,
+                       body.chat_template_kwargs)
+    ids = v.check_prompt_ids(encode(frontend.tokenizer, text, body.add_special_tokens), body, frontend.model,
+                             "messages", frontend.limits)
+    max_tokens = (body.max_completion_tokens, "max_completion_tokens")
+    if body.max_completion_tokens is None:
+        max_tokens = (body.max_tokens, "max_tokens")
+    role = "assistant" if body.add_generation_prompt else body.messages[-1].role
+    last = body.messages[-1]
+    echo = message_text(last.content) if body.echo and last.role == role else ""  # vLLM's chat echo
+    plan = replace(v.plan_prompt(body, ids, frontend.model, frontend.limits, max_tokens, num_top), echo_text=echo)
+    response_id = new_response_id("chatcmpl")
+    wire = _wire(frontend, body, Endpoint.CHAT, response_id, num_top, role=role)
+    return _job(body, response_id, header_id, [plan], wire)
+
+
+def _job(body: SamplingFields, response_id: str, header_id: str | None, plans: list, wire: Wire) -> Job:
+    options = body.stream_options
+    return Job(
+        response_id=response_id,
+        client_request_id=client_request_id(header_id, body.request_id),
+        prompts=tuple(plans),
+        n=body.n,
+        wire=wire,
+        stream=body.stream,
+        include_usage=bool(options and options.include_usage),
+        continuous_usage=bool(options and options.continuous_usage_stats),
+    )
+
+
+def _wire(frontend: Frontend, body: SamplingFields, endpoint: Endpoint, response_id: str, num_top: int | None,
+          echo: bool = False, role: str = "assistant") -> Wire:
+    tokenizer = frontend.tokenizer
+    return Wire(endpoint=endpoint, response_id=response_id, model=frontend.model.name, created=now_s(),
+                decode_token=lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False),
+                num_top_logprobs=num_top, num_prompt_logprobs=body.prompt_logprobs,
+                return_token_ids=body.return_token_ids, tokens_as_ids=body.return_tokens_as_token_ids, echo=echo,
+                role=role)
+
+
+def client_request_id(header_id: str | None, body_id: str | None) -> str | None:
+    """The client's correlation id (the X-Request-Id header, else the body's request_id): kept in
+    the ledger and the logs, never used as a key (two requests may share it)."""
+    param, value = ("X-Request-Id", header_id) if header_id else ("request_id", body_id)
+    if value is not None and len(value) > MAX_CLIENT_ID_CHARS:
+        raise invalid(param, f"at most {MAX_CLIENT_ID_CHARS} characters, got {len(value)}")
+    return value or None
+
+
+def _split_prompts(prompt) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise invalid("prompt", "the prompt is empty")
+    if all(isinstance(p, int) for p in prompt):
+        return [prompt]
+    return list(prompt)
+
+
+def encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    return tokenizer.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+
+def render_chat(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool,
+                continue_final_message: bool, template_kwargs: dict | None) -> str:
+    """The conversation through the model's chat template; every field a message sets is passed on."""
+    reserved = _TEMPLATE_RESERVED & set(template_kwargs or ())
+    if reserved:
+        raise invalid("chat_template_kwargs", f"may not set {sorted(reserved)}")
+    rendered = []
+    for m in messages:
+        message = m.model_dump(exclude_none=True, exclude={"content"})
+        message["content"] = message_text(m.content)
+        rendered.append(message)
+    try:
+        return tokenizer.hf.apply_chat_template(rendered, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                continue_final_message=continue_final_message,
+                                                **(template_kwargs or {}))
+    except Exception as exc:  # a template that rejects the conversation is the client's problem
+        raise invalid("messages", f"the chat template rejected the messages: {exc}") from exc
+
+
+def message_text(content) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for part in content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise invalid("messages", "only text content parts are supported")
+        parts.append(part["text"])
+    return "".join(parts)
