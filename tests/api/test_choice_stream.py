@@ -1,12 +1,16 @@
-"""The ingress's per-choice rules at unit level (docs/CONTRACT.md 1, 9-11, 16, 18), on the real tokenizer."""
+"""The frontend's per-choice rules at unit level (docs/CONTRACT.md 1, 9-11, 16, 18), on the real
+tokenizer; rule 18 on the real engine's outputs (the scripted double), one token a step or several."""
 
 import pytest
 
 from pegaserve.api.choice import ChoiceStream, StopStrings
-from pegaserve.engine.request import SampledToken, StepOutput
-from pegaserve.stop import Eos, Length, String, Token
+from pegaserve.engine.engine import EngineConfig, SpeculativeConfig
+from pegaserve.engine.offline import run_until_idle
+from pegaserve.engine.request import EngineRequest, SampledToken, SamplingParams, StepOutput
+from pegaserve.stop import Eos, Length, StopPolicy, String, Token
+from pegaserve.testing.scripted import scripted_engine
 from pegaserve.tokenizer import Tokenizer
-from tests.contract.cases import EOS, HELLO, WORLD
+from tests.contract.cases import EOS, HELLO, ONE_COMMA_TWO, WORLD
 
 
 @pytest.fixture(scope="module")
@@ -62,20 +66,47 @@ def test_rule_16_nothing_is_held_when_the_stop_string_is_included(tokenizer):
     assert choice.feed(StepOutput("r", tokens(WORLD))).text == " world"
 
 
-def test_rule_18_a_pending_decision_holds_the_token_until_it_arrives(tokenizer):
-    choice = stream(tokenizer)
-    assert choice.feed(StepOutput("r", tokens(HELLO, 17), finish_pending=True)).text == "Hello"
-    delta = choice.feed(StepOutput("r", (), Token(17)))
-    assert [t.token_id for t in delta.tokens] == [17] and delta.finish == Token(17) and delta.text == ""
-    assert choice.token_ids == [HELLO, 17]
+# --- rule 18 on real engine outputs: the trigger is released once, with its finish -------------------
+
+PROMPT = (151644, 40000, 198, *ONE_COMMA_TWO, 198)  # holds " 1, 2": n-gram drafts reach the trigger
+SPECULATIVE = EngineConfig(speculative=SpeculativeConfig(num_draft_tokens=4, prompt_lookup_min=1,
+                                                          prompt_lookup_max=2))
+STOP_17 = StopPolicy(8, eos_token_ids=frozenset({EOS}), stop_token_ids=frozenset({17}))
+TRIGGERS = {  # name: (script, policy, the finish, the kept ids)
+    "stop_id": (ONE_COMMA_TWO, STOP_17, Token(17), list(ONE_COMMA_TWO)),
+    "eos": ((*ONE_COMMA_TWO[:4], EOS), STOP_17, Eos(EOS), [*ONE_COMMA_TWO[:4], EOS]),
+    "length": (ONE_COMMA_TWO, StopPolicy(3, eos_token_ids=frozenset({EOS})), Length(), list(ONE_COMMA_TWO[:3])),
+}
 
 
-def test_rule_18_a_pending_token_that_turns_out_ordinary_is_shown_once(tokenizer):
+def engine_outputs(model_dir, generated, policy, config) -> list[StepOutput]:
+    engine = scripted_engine(model_dir, {PROMPT: generated}, config)
+    engine.add_request(EngineRequest("r", PROMPT, SamplingParams(temperature=0.0), policy))
+    return run_until_idle(engine, 100)["r"]
+
+
+@pytest.mark.parametrize("config", [EngineConfig(), SPECULATIVE], ids=["one_token_steps", "speculative_steps"])
+@pytest.mark.parametrize("trigger", TRIGGERS)
+def test_rule_18_the_trigger_is_released_once_with_its_finish(tokenizer, tiny_model_dir, trigger, config):
+    generated, policy, finish, kept = TRIGGERS[trigger]
+    outputs = engine_outputs(tiny_model_dir, generated, policy, config)
+    assert outputs[-1].finish == finish and all(o.finish is None for o in outputs[:-1])  # decided in one message
     choice = stream(tokenizer)
-    first = choice.feed(StepOutput("r", tokens(HELLO), finish_pending=True))
-    assert first is None
-    delta = choice.feed(StepOutput("r", tokens(WORLD), Length()))
-    assert delta.text == "Hello world" and choice.token_ids == [HELLO, WORLD]
+    deltas = [d for d in (choice.feed(o) for o in outputs) if d is not None]
+    released = [t.token_id for d in deltas for t in d.tokens]
+    assert released == kept == choice.token_ids  # each token once, the trigger last
+    assert deltas[-1].finish == finish and deltas[-1].tokens[-1].token_id == kept[-1]
+    assert all(d.finish is None for d in deltas[:-1])
+    if config.speculative is not None and trigger == "stop_id":
+        assert len(outputs[-1].tokens) > 1  # the trigger arrived inside an accepted run
+
+
+def test_rule_18_an_excluded_trigger_adds_no_text_but_is_released(tokenizer, tiny_model_dir):
+    outputs = engine_outputs(tiny_model_dir, ONE_COMMA_TWO, STOP_17, SPECULATIVE)
+    excluded, included = stream(tokenizer), stream(tokenizer, stops=["never"], include=True)
+    texts = ["".join(d.text for d in (c.feed(o) for o in outputs) if d) for c in (excluded, included)]
+    assert texts == [" 1, ", " 1, 2"]
+    assert excluded.token_ids == included.token_ids == list(ONE_COMMA_TWO)
 
 
 def test_in_chunks_recuts_outputs_and_never_holds_the_finish():

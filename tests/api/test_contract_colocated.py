@@ -1,5 +1,6 @@
-"""docs/CONTRACT.md end to end on the colocated server: every case streaming and not, via the openai
-client; validation; the split-message case; the ledger."""
+"""docs/CONTRACT.md end to end on the standalone frontend: every case streaming and not, via the
+openai client; validation; the trigger emitted once with its finish (rule 18), also inside the
+multi-token steps of speculative decoding; the ledger."""
 
 from __future__ import annotations
 
@@ -10,11 +11,9 @@ import openai
 import pytest
 
 from pegaserve.api.app import build_app
-from pegaserve.api.clients import EngineClient
-from pegaserve.api.local import build_local_server
-from pegaserve.engine.request import StepOutput
-from pegaserve.stop import Eos, Length, Token
+from pegaserve.engine.engine import EngineConfig, SpeculativeConfig
 from pegaserve.tokenizer import Tokenizer
+from tests.api.helpers import scripted_frontend
 from tests.contract import cases
 from tests.contract.cases import CASES, EOS, ONE_COMMA_TWO
 from tests.contract.checks import check_case
@@ -23,10 +22,9 @@ from tests.contract.server import ThreadedServer
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    tokenizer = Tokenizer(tiny_model_dir)
-    local = build_local_server(script=cases.script(tokenizer))
-    with ThreadedServer(build_app(local)) as running:
-        running.local = local
+    frontend = scripted_frontend(tiny_model_dir, cases.script(Tokenizer(tiny_model_dir)))
+    with ThreadedServer(build_app(frontend)) as running:
+        running.frontend = frontend
         yield running
 
 
@@ -42,8 +40,8 @@ def test_contract_case(client, server, index):
 
 def test_every_contract_rule_has_a_case():
     covered = {rule for case in CASES for rule in case.rules}
-    # 1 (no token after the trigger), 11 (abort on a string stop) and 18 (split messages) have
-    # dedicated tests below and in test_choice_stream.py.
+    # 1 (no token after the trigger), 11 (abort on a string stop) and 18 (the trigger with its
+    # finish) have dedicated tests below and in test_choice_stream.py.
     assert covered | {1, 11, 18} >= set(range(2, 23)) - {20, 22}
 
 
@@ -63,14 +61,17 @@ def test_string_stop_aborts_the_engine_request(client, server):
     assert stats["num_free_blocks"] == stats["num_blocks"]
 
 
-def test_client_request_id_is_the_key(client, server):
+def test_client_request_id_is_a_correlation_label(client, server):
     response = client.completions.with_raw_response.create(
         model="qwen3-tiny", prompt=list(CASES[0].prompt(0)), max_tokens=4, temperature=0,
         extra_headers={"X-Request-Id": "my-request-42"},
     )
-    assert response.parse().id == "my-request-42" and response.headers["x-request-id"] == "my-request-42"
-    record = httpx.get(f"{server.base_url}/admin/ledger/my-request-42").json()
+    answer = response.parse()
+    assert answer.id.startswith("cmpl-") and answer.id != "my-request-42"
+    assert response.headers.get_list("x-request-id") == ["my-request-42"]  # echoed once
+    record = httpx.get(f"{server.base_url}/admin/ledger/{answer.id}").json()
     assert record["status"] == "finished" and record["stop_cause"]["kind"] == "eos"
+    assert record["client_request_id"] == "my-request-42"
 
 
 def test_models_and_health(server):
@@ -112,8 +113,9 @@ BAD_COMPLETIONS = [
     ({"logprobs": 21}, "logprobs"),
     ({"logprobs": -1}, "logprobs"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
-    ({"n": 2}, "n"),
-    ({"echo": True}, "echo"),
+    ({"n": 0}, "n"),
+    ({"best_of": 3}, "best_of"),
+    ({"max_tokens": -1, "echo": True}, "max_tokens"),
     ({"temperature": -0.5}, "temperature"),
     ({"top_p": 0}, "top_p"),
     ({"top_k": -2}, "top_k"),
@@ -161,45 +163,57 @@ def test_malformed_json_is_400(server):
     assert httpx.get(f"{server.base_url}/health").status_code == 200  # and the server keeps serving
 
 
-# --- rule 18: a trigger whose finish arrives in a later engine message ------------------------------
+# --- rule 18: the trigger is emitted once, with its finish, in the finishing chunk -------------------
+
+SPECULATIVE = EngineConfig(speculative=SpeculativeConfig(num_draft_tokens=4, prompt_lookup_min=1,
+                                                          prompt_lookup_max=2))
 
 
-class SplitFinishes(EngineClient):
-    """Delays every token-level decision to a message of its own, as a P/D hop may."""
-
-    def __init__(self, inner: EngineClient) -> None:
-        self.inner = inner
-
-    async def generate(self, request):
-        async for output in self.inner.generate(request):
-            if isinstance(output.finish, Eos | Token | Length):
-                yield StepOutput(output.request_id, output.tokens, None, finish_pending=True)
-                yield StepOutput(output.request_id, (), output.finish)
-            else:
-                yield output
+# The prompt holds "\n 1, 2\n": after the first generated " ", n-gram speculation finds "\n " in it
+# and proposes "1, 2", so the stop id 17 arrives inside a multi-token accepted run.
+TRIGGER_PROMPT = [151644, 40000, 198, *ONE_COMMA_TWO, 198]
 
 
-@pytest.fixture(scope="module")
-def split_server(tiny_model_dir):
-    local = build_local_server(script={tuple(PROMPT): ONE_COMMA_TWO, (151644, 40001, 198): (64, 293, EOS)})
-    local.engine = SplitFinishes(local.engine)
-    with ThreadedServer(build_app(local)) as running:
+@pytest.fixture(scope="module", params=["one_token_steps", "speculative_steps"])
+def trigger_server(tiny_model_dir, request):
+    script = {tuple(TRIGGER_PROMPT): ONE_COMMA_TWO, (151644, 40001, 198): (64, 293, EOS)}
+    config = SPECULATIVE if request.param == "speculative_steps" else EngineConfig()
+    with ThreadedServer(build_app(scripted_frontend(tiny_model_dir, script, config))) as running:
+        running.speculative = request.param == "speculative_steps"
         yield running
 
 
 @pytest.mark.parametrize("include", [False, True])
-def test_split_finish_emits_the_trigger_once_as_the_finishing_chunk(split_server, include):
-    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "stop_token_ids": [17], "logprobs": 0,
+def test_the_trigger_is_emitted_once_with_its_finish(trigger_server, include):
+    body = {"prompt": TRIGGER_PROMPT, "max_tokens": 8, "temperature": 0, "stop_token_ids": [17], "logprobs": 0,
             "return_token_ids": True, "include_stop_str_in_output": include}
-    plain = httpx.post(f"{split_server.base_url}/v1/completions", json=body).json()
-    with httpx.stream("POST", f"{split_server.base_url}/v1/completions", json={**body, "stream": True}) as r:
+    plain = httpx.post(f"{trigger_server.base_url}/v1/completions", json=body).json()
+    with httpx.stream("POST", f"{trigger_server.base_url}/v1/completions", json={**body, "stream": True}) as r:
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     ids = [i for c in chunks for i in c["choices"][0]["token_ids"]]
     assert ids == list(ONE_COMMA_TWO) == plain["choices"][0]["token_ids"]
     last = chunks[-1]["choices"][0]
-    assert last["token_ids"] == [17] and last["finish_reason"] == "stop" and last["stop_reason"] == 17
-    assert last["logprobs"]["token_logprobs"][0] < 0
-    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    assert last["token_ids"][-1] == 17 and last["finish_reason"] == "stop" and last["stop_reason"] == 17
+    assert len(last["logprobs"]["token_logprobs"]) == len(last["token_ids"])
+    assert all(lp < 0 for lp in last["logprobs"]["token_logprobs"])
+    assert all(c["choices"][0]["finish_reason"] is None and 17 not in c["choices"][0]["token_ids"]
+               for c in chunks[:-1])
     text = "".join(c["choices"][0]["text"] for c in chunks)
     assert text == plain["choices"][0]["text"] == (" 1, 2" if include else " 1, ")
     assert plain["usage"]["completion_tokens"] == 5
+    if trigger_server.speculative:  # the trigger came inside an accepted run of drafts
+        assert len(last["token_ids"]) > 1
+        stats = httpx.get(f"{trigger_server.base_url}/admin/stats").json()["colocated"][0]
+        assert stats["num_accepted_tokens"] >= 3
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_eos_trigger_is_counted_once_and_not_shown(trigger_server, stream):
+    body = {"prompt": [151644, 40001, 198], "max_tokens": 8, "temperature": 0, "return_token_ids": True,
+            "stream": stream}
+    response = httpx.post(f"{trigger_server.base_url}/v1/completions", json=body)
+    chunks = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")] \
+        if stream else [response.json()]
+    ids = [i for c in chunks for i in c["choices"][0]["token_ids"]]
+    assert ids == [64, 293, EOS] and chunks[-1]["choices"][0]["token_ids"][-1] == EOS
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "a b"

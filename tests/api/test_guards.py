@@ -1,4 +1,5 @@
-"""API keys, body size, admission control (429 + Retry-After) on the colocated app."""
+"""API keys, body size, admission control (429 + Retry-After) on the standalone app. Each app runs
+on its own port (an engine serves one event loop)."""
 
 from __future__ import annotations
 
@@ -9,21 +10,33 @@ import httpx
 import pytest
 
 from pegaserve.api.app import build_app
-from pegaserve.api.local import build_local_server
 from pegaserve.api.validation import Limits
 from pegaserve.engine.engine import EngineConfig
+from tests.api.helpers import PROMPT, scripted_frontend
+from tests.contract.server import ThreadedServer
 
-PROMPT = [151644, 40000, 198]
 KEY = "sk-test-3f9a"
 
 
-def client_for(app) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=60)
+class client_for:  # noqa: N801 - used as `async with client_for(app) as c`, like httpx's own client
+    """An async client of `app` served on a port of its own for the duration."""
+
+    def __init__(self, app) -> None:
+        self.server = ThreadedServer(app)
+
+    async def __aenter__(self) -> httpx.AsyncClient:
+        await asyncio.to_thread(self.server.__enter__)
+        self.client = httpx.AsyncClient(base_url=self.server.base_url, timeout=120)
+        return self.client
+
+    async def __aexit__(self, *exc) -> None:
+        await self.client.aclose()
+        await asyncio.to_thread(self.server.__exit__)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def server(tiny_model_dir):
-    return build_local_server(script={})
+    return scripted_frontend(tiny_model_dir, {})  # one per test: each test serves it on its own loop
 
 
 def test_api_keys_guard_v1_and_admin_but_not_health(server, caplog):
@@ -38,6 +51,10 @@ def test_api_keys_guard_v1_and_admin_but_not_health(server, caplog):
             for path in ("/v1/models", "/admin/ledger"):
                 assert (await c.get(path)).status_code == 401
                 assert (await c.get(path, headers={"Authorization": f"Bearer {KEY}"})).status_code == 200
+            for path, payload in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [5]})):
+                assert (await c.post(path, json=payload)).status_code == 401
+                authorized = await c.post(path, json=payload, headers={"Authorization": f"Bearer {KEY}"})
+                assert authorized.status_code == 200
             assert (await c.get("/health")).status_code == 200
             ok = await c.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
             assert ok.status_code == 200
@@ -65,14 +82,17 @@ def test_body_limit_is_413_and_whole_vocab_stop_set_fits_the_default(server):
 
 
 def test_limits_on_prompt_and_max_tokens(tiny_model_dir):
-    limited = build_local_server(script={}, limits=Limits(max_prompt_tokens=4, max_tokens=8, max_stop_strings=2))
+    limited = scripted_frontend(tiny_model_dir, {}, limits=Limits(max_prompt_tokens=4, max_tokens=8, max_stop_strings=2,
+                                                                  max_choices=4, max_logit_bias=2))
     app = build_app(limited)
 
     async def run():
         async with client_for(app) as c:
             cases = [({"prompt": list(range(1, 10)), "max_tokens": 2}, "prompt"),
                      ({"prompt": PROMPT, "max_tokens": 9}, "max_tokens"),
-                     ({"prompt": PROMPT, "max_tokens": 2, "stop": ["a", "b", "c"]}, "stop")]
+                     ({"prompt": PROMPT, "max_tokens": 2, "stop": ["a", "b", "c"]}, "stop"),
+                     ({"prompt": [PROMPT, PROMPT], "max_tokens": 2, "n": 3}, "n"),
+                     ({"prompt": PROMPT, "max_tokens": 2, "logit_bias": {"1": 1, "2": 1, "3": 1}}, "logit_bias")]
             for body, param in cases:
                 r = await c.post("/v1/completions", json=body)
                 assert r.status_code == 400 and r.json()["error"]["param"] == param
@@ -83,7 +103,7 @@ def test_limits_on_prompt_and_max_tokens(tiny_model_dir):
 def test_overload_answers_429_with_retry_after(tiny_model_dir):
     # One running sequence, a waiting queue of one: the third concurrent request is refused by the
     # engine; max_inflight refuses at the door once 3 requests are in flight.
-    busy = build_local_server(script={}, engine_config=EngineConfig(max_num_seqs=1, max_queued_requests=1))
+    busy = scripted_frontend(tiny_model_dir, {}, EngineConfig(max_num_seqs=1, max_queued_requests=1))
     app = build_app(busy, max_inflight=3)
 
     async def run():

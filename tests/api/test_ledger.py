@@ -61,3 +61,14 @@ def test_a_new_ledger_reloads_finished_records_from_the_journal(tmp_path):
     assert restarted.summary()["by_stop_cause"] == {"token": 1}
     finish(restarted, "later", (5,), Length())  # and it keeps journaling
     assert Ledger(journal=journal).get("later")["completion_tokens"] == 1
+
+
+def test_the_clients_request_id_is_a_label_in_the_record_and_the_journal(tmp_path):
+    journal = tmp_path / "ledger.jsonl"
+    ledger = Ledger(journal=journal)
+    for rid in ("cmpl-1", "cmpl-2"):  # two requests, one client id
+        ledger.record([Arrived(rid, 3, 16, client_request_id="client-7")], "ingress")
+        ledger.record([TokensCommitted(rid, (5,)), Finished(rid, Length(), 3, 1)], "ingress")
+    assert [ledger.get(r)["client_request_id"] for r in ("cmpl-1", "cmpl-2")] == ["client-7", "client-7"]
+    assert Ledger(journal=journal).get("cmpl-2")["client_request_id"] == "client-7"
+    assert finish(ledger, "plain", (5,), Length())["client_request_id"] is None

@@ -371,11 +371,12 @@ def test_greedy_memory_learns_only_the_greedy_path():
 # ---------------------------------------------------------------- real Locust runs
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def local_server(tiny_model_dir):
-    from pegaserve.api.local import build_local_server
+    """One frontend per run: its engine serves the event loop of one server."""
+    from pegaserve.standalone import build_local_frontend
 
-    return build_local_server()
+    return build_local_frontend()
 
 
 def run_locust(base_url: str, out: Path, users: int, seconds: int) -> tuple[subprocess.CompletedProcess, dict]:
@@ -413,10 +414,10 @@ def test_a_broken_server_fails_the_run(local_server, tmp_path):
     """A prompt token too many in non-streaming usage (consistent, so only the ledger can tell) and
     every finishing chunk sent twice when streaming."""
     from pegaserve.api.app import build_app
-    from pegaserve.api.serving import Server
+    from pegaserve.api.frontend import Frontend
     from tests.contract.server import ThreadedServer
 
-    class BrokenServer(Server):
+    class BrokenFrontend(Frontend):
         async def complete(self, job):
             answer = await super().complete(job)
             answer["usage"]["prompt_tokens"] += 1
@@ -430,7 +431,7 @@ def test_a_broken_server_fails_the_run(local_server, tmp_path):
                     yield chunk
 
     s = local_server
-    broken = BrokenServer(s.engine, s.tokenizer, s.model, s.ledger, s.limits)
+    broken = BrokenFrontend(s.engine, s.tokenizer, s.model, s.ledger, s.limits)
     with ThreadedServer(build_app(broken)) as server:
         done, rows = run_locust(server.base_url, tmp_path, users=2, seconds=5)
     assert done.returncode == 1, (done.stdout + done.stderr)[-4000:]

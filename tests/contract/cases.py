@@ -87,6 +87,16 @@ CASES = [
     Case("chat_stop_string", (9, 17), (HELLO, WORLD, EOS), {"stop": "lo wo"}, "Hel", "stop", "lo wo", 2, chat=True),
     Case("chat_logprobs", (7,), (A, B, C), {"logprobs": True, "top_logprobs": 2, "max_completion_tokens": 3,
                                           "stop_token_ids": [C]}, "a b", "stop", C, 3, chat=True),
+    # n choices of one prompt (each choice keeps every rule; usage sums them) and echo; appended so
+    # every case above keeps its index (and its prompt).
+    Case("n2_greedy_choices_agree", (17, 19), (A, B, EOS), {"n": 2}, "a b", "stop", None, 3),
+    Case("n3_stop_string_in_each_choice", (10, 11, 17), (HELLO, WORLD, EOS), {"n": 3, "stop": ["lo wo"]},
+         "Hel", "stop", "lo wo", 2),
+    Case("echo_prompt_then_completion", (12, 19), (A, B, EOS), {"echo": True}, "<|im_start|> CW\na b", "stop",
+         None, 3),
+    Case("chat_n2", (17, 19), (A, B, EOS), {"n": 2}, "a b", "stop", None, 3, chat=True),
+    Case("n2_echo_stop_id", (7, 12), ONE_COMMA_TWO, {"n": 2, "echo": True, "stop_token_ids": [17]},
+         "<|im_start|> Opening\n 1, ", "stop", 17, 5),
 ]
 
 CHAT_MESSAGES = lambda index: [{"role": "user", "content": f"contract case {index}"}]  # noqa: E731

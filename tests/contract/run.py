@@ -3,6 +3,8 @@ answer with `pegaserve.testing.contract` — so both modes (and both deployments
 
 from __future__ import annotations
 
+import dataclasses
+
 import openai
 
 from pegaserve.testing.contract import Answer, Expected, Params, answer_from_body, answer_from_chunks
@@ -35,7 +37,8 @@ def case_params(index: int, stream: bool) -> Params:
     body = {**kwargs.pop("extra_body"), **kwargs, "stream": stream}
     if stream:
         body["stream_options"] = INCLUDE_USAGE
-    return Params.from_body(body, case.chat)
+    params = Params.from_body(body, case.chat)
+    return dataclasses.replace(params, num_choices=params.num_choices * case.params.get("n", 1))
 
 
 def case_expected(index: int) -> Expected:

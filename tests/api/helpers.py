@@ -1,0 +1,40 @@
+"""Builders shared by the API tests: a standalone frontend on the scripted double or the real
+weights, and an in-process HTTP client for its app."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+
+from pegaserve.api.frontend import Frontend
+from pegaserve.api.validation import Limits
+from pegaserve.engine.engine import EngineConfig
+from pegaserve.standalone import build_local_frontend
+from pegaserve.testing.scripted import scripted_engine
+
+PROMPT = [151644, 40000, 198]
+
+
+def scripted_frontend(model_dir, script: dict, engine_config: EngineConfig = EngineConfig(),
+                      limits: Limits = Limits()) -> Frontend:
+    return build_local_frontend(engine_config=engine_config, engine=scripted_engine(model_dir, script, engine_config),
+                                limits=limits)
+
+
+def real_frontend(engine_config: EngineConfig = EngineConfig(num_blocks=512)) -> Frontend:
+    """qwen3-tiny's real (random) weights, fp32 on the CPU."""
+    return build_local_frontend(engine_config=engine_config, attention_backend="sdpa")
+
+
+def client_for(app) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=120)
+
+
+def raw_json(body) -> bytes:
+    """JSON as a client may send it: ASCII escapes, so lone surrogates (`\\ud800`) survive."""
+    return json.dumps(body).encode()
+
+
+def sse_chunks(text: str) -> list[dict]:
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]

@@ -1,0 +1,154 @@
+"""echo, prompt scoring and vLLM's prompt_logprobs on the standalone frontend with qwen3-tiny's
+real weights: the prompt's logprobs are the log-softmax of transformers' Qwen3ForCausalLM logits
+on the same weights (the first token has none), in OpenAI's echo shape and in vLLM's."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+import torch
+from transformers import Qwen3ForCausalLM
+
+from pegaserve.api.app import build_app
+from tests.api.helpers import real_frontend, sse_chunks
+from tests.contract.server import ThreadedServer
+
+PROMPT = [9707, 11, 1879, 0, 785, 3974, 13876, 38835, 34208, 916]
+TOP = 3
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    with ThreadedServer(build_app(real_frontend())) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir) -> torch.Tensor:
+    """[len(PROMPT), vocab]: row p is the log-softmax that predicts prompt token p + 1."""
+    hf = Qwen3ForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        logits = hf(input_ids=torch.tensor([PROMPT])).logits[0].double()
+    return torch.log_softmax(logits, -1)
+
+
+def post(server, path="/v1/completions", **body) -> httpx.Response:
+    return httpx.post(f"{server.base_url}{path}", json=body, timeout=120)
+
+
+def test_echo_with_logprobs_shows_the_prompt_scored_by_the_reference(server, tiny_model_dir, reference):
+    body = post(server, prompt=PROMPT, max_tokens=4, echo=True, logprobs=TOP, temperature=0).json()
+    (choice,) = body["choices"]
+    prompt_text = server_decode(server, PROMPT)
+    assert choice["text"].startswith(prompt_text) and len(choice["text"]) > len(prompt_text)
+    logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == len(PROMPT) + 4 == len(logprobs["token_logprobs"])
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    for p in range(1, len(PROMPT)):
+        row = reference[p - 1]
+        assert logprobs["token_logprobs"][p] == pytest.approx(row[PROMPT[p]].item(), abs=1e-4)
+        top = logprobs["top_logprobs"][p]
+        assert list(top.values()) == pytest.approx(torch.topk(row, TOP).values.tolist(), abs=1e-4)
+    assert "".join(logprobs["tokens"]) == choice["text"]
+    offsets = logprobs["text_offset"]
+    assert offsets[0] == 0 and all(b - a == len(t) for a, b, t in zip(offsets, offsets[1:], logprobs["tokens"]))
+    assert body["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": 4, "total_tokens": len(PROMPT) + 4}
+    greedy = post(server, prompt=PROMPT, max_tokens=4, logprobs=TOP, temperature=0).json()["choices"][0]
+    assert choice["text"] == prompt_text + greedy["text"]
+    assert logprobs["token_logprobs"][len(PROMPT):] == greedy["logprobs"]["token_logprobs"]
+
+
+def server_decode(server, ids: list[int]) -> str:
+    return post(server, "/detokenize", tokens=ids).json()["prompt"]
+
+
+def test_echo_streams_the_prompt_in_each_choices_first_chunk(server):
+    body = {"prompt": [PROMPT, PROMPT[:4]], "n": 2, "max_tokens": 3, "echo": True, "logprobs": 1, "seed": 4,
+            "temperature": 1.0}
+    plain = post(server, **body).json()
+    chunks = sse_chunks(post(server, **body, stream=True).text)
+    for choice in plain["choices"]:
+        parts = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == choice["index"]]
+        prompt = PROMPT if choice["index"] < 2 else PROMPT[:4]
+        assert parts[0]["text"].startswith(server_decode(server, prompt))
+        assert len(parts[0]["logprobs"]["tokens"]) >= len(prompt)
+        assert "".join(p["text"] for p in parts) == choice["text"]
+        assert [lp for p in parts for lp in p["logprobs"]["token_logprobs"]] == choice["logprobs"]["token_logprobs"]
+        assert [o for p in parts for o in p["logprobs"]["text_offset"]] == choice["logprobs"]["text_offset"]
+
+
+def test_echo_of_a_string_prompt_is_the_string(server):
+    text = "Hello, world! 🙂"
+    body = post(server, prompt=text, max_tokens=2, echo=True, temperature=0).json()
+    assert body["choices"][0]["text"].startswith(text)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_max_tokens_0_with_echo_scores_the_prompt_only(server, reference, stream):
+    body = {"prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 0}
+    if stream:
+        chunks = sse_chunks(post(server, **body, stream=True, stream_options={"include_usage": True}).text)
+        (only,) = [c["choices"][0] for c in chunks if c["choices"]]
+        usage = chunks[-1]["usage"]
+    else:
+        answer = post(server, **body).json()
+        only, usage = answer["choices"][0], answer["usage"]
+    assert only["text"] == server_decode(server, PROMPT) and only["finish_reason"] == "length"
+    assert only["stop_reason"] is None
+    assert usage == {"prompt_tokens": len(PROMPT), "completion_tokens": 0, "total_tokens": len(PROMPT)}
+    logprobs = only["logprobs"]["token_logprobs"]
+    assert logprobs[0] is None and len(logprobs) == len(PROMPT)
+    assert logprobs[1:] == pytest.approx([reference[p - 1, PROMPT[p]].item() for p in range(1, len(PROMPT))],
+                                         abs=1e-4)
+
+
+def test_max_tokens_0_without_echo_is_a_400(server):
+    response = post(server, prompt=PROMPT, max_tokens=0)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "max_tokens"
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_prompt_logprobs_in_vllms_shape(server, reference, k):
+    body = post(server, prompt=PROMPT, max_tokens=2, prompt_logprobs=k, temperature=0).json()
+    scores = body["choices"][0]["prompt_logprobs"]
+    assert len(scores) == len(PROMPT) and scores[0] is None
+    for p in range(1, len(PROMPT)):
+        row, entry = reference[p - 1], scores[p]
+        actual = entry[str(PROMPT[p])]
+        assert actual["logprob"] == pytest.approx(row[PROMPT[p]].item(), abs=1e-4)
+        assert actual["rank"] >= 1 and actual["decoded_token"] == server_decode(server, [PROMPT[p]])
+        best = torch.topk(row, k).indices.tolist() if k else []
+        assert set(entry) == {str(PROMPT[p]), *map(str, best)}
+        for rank, token_id in enumerate(best, start=1):
+            assert entry[str(token_id)]["rank"] == rank or token_id == PROMPT[p]
+    assert body["choices"][0]["logprobs"] is None  # prompt_logprobs alone asks nothing of the completion
+
+
+def test_chat_prompt_logprobs_are_top_level(server):
+    body = post(server, "/v1/chat/completions", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                prompt_logprobs=1).json()
+    prompt_tokens = body["usage"]["prompt_tokens"]
+    assert len(body["prompt_logprobs"]) == prompt_tokens and body["prompt_logprobs"][0] is None
+    assert all(1 <= len(entry) <= 2 for entry in body["prompt_logprobs"][1:])
+
+
+def test_prompt_logprobs_while_streaming_is_a_400(server):
+    response = post(server, prompt=PROMPT, max_tokens=2, prompt_logprobs=1, stream=True)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_chat_echo_prepends_the_last_message_of_the_reply_role(server):
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+    extra = {"echo": True, "add_generation_prompt": False, "continue_final_message": True}
+    answer = client.chat.completions.create(model="qwen3-tiny", messages=messages, max_tokens=3, temperature=0,
+                                            extra_body=extra)
+    plain = client.chat.completions.create(model="qwen3-tiny", messages=messages, max_tokens=3, temperature=0,
+                                           extra_body={**extra, "echo": False})
+    assert answer.choices[0].message.content == "Hel" + plain.choices[0].message.content
+    assert answer.choices[0].message.role == "assistant"
+    no_echo = client.chat.completions.create(model="qwen3-tiny", messages=messages[:1], max_tokens=3, temperature=0,
+                                             extra_body={"echo": True})  # the last message is the user's
+    first = client.chat.completions.create(model="qwen3-tiny", messages=messages[:1], max_tokens=3, temperature=0)
+    assert no_echo.choices[0].message.content == first.choices[0].message.content

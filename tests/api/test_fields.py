@@ -1,0 +1,280 @@
+"""No parameter silently ignored: every field of the request models (nested ones too) is either
+implemented — with a behaviour test named in `BEHAVIOUR` — accepted with no effect by definition
+(`NO_EFFECT`), or refused with a 400 naming it when set to a non-default value (`REFUSED`). A new
+field fails `test_every_field_is_accounted_for` until it is one of the three. Also here: the
+behaviour tests of the smaller fields that have no other home."""
+
+from __future__ import annotations
+
+import importlib
+import json
+
+import httpx
+import pytest
+from pydantic import BaseModel
+
+from pegaserve.api.app import build_app
+from pegaserve.api.protocol import (
+    REFUSED_CHAT,
+    REFUSED_COMPLETION,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    ResponseFormat,
+    StreamOptions,
+)
+from tests.api.helpers import PROMPT, scripted_frontend, sse_chunks
+from tests.contract.server import ThreadedServer
+
+CONTRACT = "test_contract_colocated::test_contract_case"
+# field -> the tests that show what it does ("module::test" under tests/api)
+BEHAVIOUR = {
+    "model": ["test_contract_colocated::test_unknown_model_is_404"],
+    "prompt": [
+        CONTRACT,
+        "test_contract_colocated::test_batch_of_prompts",
+        "test_echo_logprobs::test_echo_of_a_string_prompt_is_the_string",
+    ],
+    "messages": [
+        "test_contract_colocated::test_contract_case",
+        "test_tokenize::test_messages_tokenize_as_the_chat_endpoint_renders_them",
+    ],
+    "max_tokens": [CONTRACT, "test_echo_logprobs::test_max_tokens_0_with_echo_scores_the_prompt_only"],
+    "max_completion_tokens": [CONTRACT],
+    "temperature": [
+        "test_sampling_params::test_a_temperature_below_1e_5_is_greedy",
+        "test_choices::test_choice_j_samples_with_seed_plus_j_reproducibly_and_distinctly",
+    ],
+    "top_p": ["test_fields::test_top_p_and_top_k_narrow_sampling"],
+    "top_k": ["test_sampling_params::test_top_k_1_is_greedy", "test_fields::test_top_p_and_top_k_narrow_sampling"],
+    "min_p": ["test_sampling_params::test_min_p_1_keeps_only_the_best_token"],
+    "seed": ["test_choices::test_choice_j_samples_with_seed_plus_j_reproducibly_and_distinctly"],
+    "stop": [CONTRACT, "test_choices::test_a_stop_string_ends_only_its_choice"],
+    "stop_token_ids": [CONTRACT],
+    "ignore_eos": [CONTRACT],
+    "min_tokens": [CONTRACT],
+    "include_stop_str_in_output": [CONTRACT],
+    "skip_special_tokens": [CONTRACT],
+    "return_token_ids": [CONTRACT],
+    "return_tokens_as_token_ids": ["test_fields::test_return_tokens_as_token_ids"],
+    "stream": [CONTRACT],
+    "stream_options": [CONTRACT, "test_fields::test_continuous_usage_stats"],
+    "stream_options.include_usage": [CONTRACT],
+    "stream_options.continuous_usage_stats": ["test_fields::test_continuous_usage_stats"],
+    "n": ["test_choices::test_greedy_choices_are_equal", "test_choices::test_a_stop_string_ends_only_its_choice"],
+    "best_of": ["test_choices::test_best_of_equal_to_n_returns_every_choice"],
+    "presence_penalty": ["test_sampling_params::test_penalties_equal_the_reference"],
+    "frequency_penalty": ["test_sampling_params::test_penalties_equal_the_reference"],
+    "repetition_penalty": [
+        "test_sampling_params::test_penalties_equal_the_reference",
+        "test_sampling_params::test_a_tiny_repetition_penalty_stays_finite",
+    ],
+    "logit_bias": [
+        "test_sampling_params::test_a_plus_100_bias_forces_a_token",
+        "test_sampling_params::test_a_minus_100_bias_bans_the_greedy_token",
+    ],
+    "logprobs": [CONTRACT, "test_echo_logprobs::test_echo_with_logprobs_shows_the_prompt_scored_by_the_reference"],
+    "top_logprobs": [CONTRACT],
+    "prompt_logprobs": [
+        "test_echo_logprobs::test_prompt_logprobs_in_vllms_shape",
+        "test_echo_logprobs::test_chat_prompt_logprobs_are_top_level",
+    ],
+    "echo": [
+        "test_echo_logprobs::test_echo_with_logprobs_shows_the_prompt_scored_by_the_reference",
+        "test_echo_logprobs::test_chat_echo_prepends_the_last_message_of_the_reply_role",
+    ],
+    "truncate_prompt_tokens": ["test_fields::test_truncate_prompt_tokens"],
+    "truncation_side": ["test_fields::test_truncate_prompt_tokens"],
+    "response_format": ["test_fields::test_a_text_response_format_is_plain_text"],
+    "response_format.type": ["test_fields::test_a_text_response_format_is_plain_text"],
+    "request_id": ["test_fields::test_the_body_request_id_is_the_correlation_id"],
+    "add_special_tokens": ["test_fields::test_add_special_tokens_is_the_tokenizers"],
+    "add_generation_prompt": ["test_tokenize::test_messages_tokenize_as_the_chat_endpoint_renders_them"],
+    "continue_final_message": ["test_echo_logprobs::test_chat_echo_prepends_the_last_message_of_the_reply_role"],
+    "chat_template_kwargs": ["test_fields::test_messages_and_template_kwargs_reach_the_chat_template"],
+    "tool_choice": ["test_fields::test_tool_choice_without_tools"],
+    "modalities": ["test_fields::test_text_is_the_only_modality"],
+    "messages.role": [CONTRACT],
+    "messages.content": [CONTRACT, "test_tokenize::test_messages_tokenize_as_the_chat_endpoint_renders_them"],
+    "messages.name": ["test_fields::test_messages_and_template_kwargs_reach_the_chat_template"],
+    "messages.tool_calls": ["test_fields::test_messages_and_template_kwargs_reach_the_chat_template"],
+    "messages.tool_call_id": ["test_fields::test_messages_and_template_kwargs_reach_the_chat_template"],
+}
+# accepted, and by definition changing nothing here: (field, a non-default value)
+NO_EFFECT = {
+    "user": "someone",
+    "metadata": {"team": "search"},
+    "parallel_tool_calls": False,  # no tools
+    "service_tier": "default",  # one tier
+    "spaces_between_special_tokens": False,  # byte-level tokens decode as they are (as vLLM's fast path)
+}
+# refused unless at the default: (field, a non-default value)
+REFUSED_VALUES = {
+    "use_beam_search": True, "length_penalty": 1.5, "allowed_token_ids": [1, 2], "bad_words": ["x"],
+    "logprob_token_ids": [5], "structured_outputs": {"json": {}}, "guided_json": {"type": "object"},
+    "guided_regex": "a+", "guided_choice": ["a", "b"], "guided_grammar": "root ::= 'a'", "priority": 1,
+    "cache_salt": "salt", "kv_transfer_params": {"x": 1}, "vllm_xargs": {"x": 1}, "suffix": "tail", "store": True,
+    "tools": [{"type": "function", "function": {"name": "f"}}], "chat_template": "{{ messages }}",
+    "documents": [{"text": "d"}], "functions": [{"name": "f"}], "function_call": "auto", "reasoning_effort": "low",
+    "audio": {"voice": "x"}, "prediction": {"type": "content", "content": "x"}, "web_search_options": {},
+}
+MODELS = {"completions": CompletionRequest, "chat": ChatCompletionRequest}
+NESTED = {"stream_options": StreamOptions, "response_format": ResponseFormat, "messages": ChatMessage}
+
+
+def all_fields(model: type[BaseModel]) -> set[str]:
+    names = set(model.model_fields)
+    return names | {f"{outer}.{inner}" for outer, nested in NESTED.items() if outer in names
+                    for inner in nested.model_fields}
+
+
+def test_every_field_is_accounted_for():
+    refused = set(REFUSED_COMPLETION) | set(REFUSED_CHAT)
+    assert refused == set(REFUSED_VALUES)
+    for endpoint, model in MODELS.items():
+        unaccounted = all_fields(model) - set(BEHAVIOUR) - set(NO_EFFECT) - refused
+        assert not unaccounted, f"{endpoint}: fields neither tested, nor without effect, nor refused: {unaccounted}"
+
+
+def test_every_behaviour_test_exists():
+    for name, tests in BEHAVIOUR.items():
+        for test in tests:
+            module, function = test.split("::")
+            assert callable(getattr(importlib.import_module(f"tests.api.{module}"), function, None)), (name, test)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    with ThreadedServer(build_app(scripted_frontend(tiny_model_dir, {tuple(PROMPT): (64, 293, 272)}))) as running:
+        yield running
+
+
+def post(server, endpoint: str, **body) -> httpx.Response:
+    path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
+    base = {"prompt": PROMPT} if endpoint == "completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    return httpx.post(f"{server.base_url}{path}", content=json.dumps({**base, "max_tokens": 3, **body}),
+                      headers={"content-type": "application/json"}, timeout=60)
+
+
+REFUSALS = [(e, name) for e, names in (("completions", REFUSED_COMPLETION), ("chat", REFUSED_CHAT)) for name in names]
+
+
+@pytest.mark.parametrize("endpoint,name", REFUSALS, ids=[f"{e}-{n}" for e, n in REFUSALS])
+def test_refused_fields_are_a_400_naming_them(server, endpoint, name):
+    response = post(server, endpoint, **{name: REFUSED_VALUES[name]})
+    assert response.status_code == 400 and response.json()["error"]["param"] == name, response.text
+    assert post(server, endpoint, **{name: None}).status_code == 200  # null: the default
+
+
+NO_EFFECTS = [(e, n) for e, model in MODELS.items() for n in NO_EFFECT if n in model.model_fields]
+
+
+@pytest.mark.parametrize("endpoint,name", NO_EFFECTS, ids=[f"{e}-{n}" for e, n in NO_EFFECTS])
+def test_fields_without_effect_change_nothing(server, endpoint, name):
+    plain = post(server, endpoint, temperature=0, return_token_ids=True).json()
+    other = post(server, endpoint, temperature=0, return_token_ids=True, **{name: NO_EFFECT[name]}).json()
+    assert plain["choices"] == other["choices"] and plain["usage"] == other["usage"]
+
+
+# --- behaviour of the smaller fields -------------------------------------------------------------------
+
+
+def test_return_tokens_as_token_ids(server):
+    body = post(server, "completions", logprobs=1, temperature=0, return_tokens_as_token_ids=True).json()
+    logprobs = body["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == ["token_id:64", "token_id:293", "token_id:272"]
+    assert list(logprobs["top_logprobs"][0]) == ["token_id:64"]
+    chat = post(server, "chat", logprobs=True, top_logprobs=1, temperature=0, return_tokens_as_token_ids=True).json()
+    assert all(e["token"].startswith("token_id:") for e in chat["choices"][0]["logprobs"]["content"])
+
+
+def test_continuous_usage_stats(server):
+    chunks = sse_chunks(post(server, "completions", stream=True, temperature=0, n=2,
+                             stream_options={"include_usage": True, "continuous_usage_stats": True}).text)
+    per_choice = [c for c in chunks if c["choices"]]
+    assert all(c["usage"]["prompt_tokens"] == len(PROMPT) for c in per_choice)
+    for index in (0, 1):
+        counts = [c["usage"]["completion_tokens"] for c in per_choice if c["choices"][0]["index"] == index]
+        assert counts == sorted(counts) and counts[-1] == 3
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+
+
+def test_truncate_prompt_tokens(server):
+    long_prompt = [*PROMPT[:1], 5, 6, 7, *PROMPT]
+    left = post(server, "completions", prompt=long_prompt, truncate_prompt_tokens=3, temperature=0,
+                return_token_ids=True).json()
+    assert left["choices"][0]["prompt_token_ids"] == PROMPT and left["choices"][0]["text"] == "a b c"
+    right = post(server, "completions", prompt=long_prompt, truncate_prompt_tokens=2, truncation_side="right",
+                 return_token_ids=True).json()
+    assert right["choices"][0]["prompt_token_ids"] == long_prompt[:2] and right["usage"]["prompt_tokens"] == 2
+    whole = post(server, "completions", prompt=long_prompt, truncate_prompt_tokens=-1, return_token_ids=True).json()
+    assert whole["choices"][0]["prompt_token_ids"] == long_prompt
+
+
+def test_top_p_and_top_k_narrow_sampling(server):
+    # The scripted token holds ~89% of the mass and the runner-up next: either filter keeps only it.
+    for narrow in ({"top_p": 0.5}, {"top_k": 1}):
+        texts = {post(server, "completions", temperature=1.0, seed=s, **narrow).json()["choices"][0]["text"]
+                 for s in range(8)}
+        assert texts == {"a b c"}, narrow
+    wide = {post(server, "completions", temperature=2.0, seed=s).json()["choices"][0]["text"] for s in range(8)}
+    assert len(wide) > 1
+
+
+def test_a_text_response_format_is_plain_text(server):
+    plain = post(server, "chat", temperature=0).json()
+    assert post(server, "chat", temperature=0, response_format={"type": "text"}).json()["choices"] == plain["choices"]
+
+
+def test_the_body_request_id_is_the_correlation_id(server):
+    response = post(server, "completions", request_id="body-id-7")
+    body = response.json()
+    assert body["id"] != "body-id-7" and response.headers["x-request-id"] == "body-id-7"
+    record = httpx.get(f"{server.base_url}/admin/ledger/{body['id']}").json()
+    assert record["client_request_id"] == "body-id-7"
+    both = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 1,
+                                                                 "request_id": "body"},
+                      headers={"X-Request-Id": "header"})
+    assert both.headers.get_list("x-request-id") == ["header"]  # the header wins
+
+
+def test_add_special_tokens_is_the_tokenizers(server, tiny_model_dir):
+    from pegaserve.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(tiny_model_dir)
+    for flag in (True, False):
+        body = post(server, "completions", prompt="Hello there", add_special_tokens=flag, return_token_ids=True).json()
+        assert body["choices"][0]["prompt_token_ids"] == tokenizer.backend.encode("Hello there",
+                                                                                  add_special_tokens=flag).ids
+
+
+def test_tool_choice_without_tools(server):
+    for choice in ("none", "auto", None):
+        assert post(server, "chat", tool_choice=choice).status_code == 200
+    assert post(server, "chat", tool_choice="auto", tools=[{"type": "function"}]).status_code == 400
+
+
+def test_text_is_the_only_modality(server):
+    assert post(server, "chat", modalities=["text"]).status_code == 200
+    assert post(server, "chat", modalities=["audio"]).json()["error"]["param"] == "modalities"
+
+
+TEMPLATE = ("{% for m in messages %}{{ m.role }}{% if m.name %}({{ m.name }}){% endif %}"
+            "{% if m.tool_call_id %}[{{ m.tool_call_id }}]{% endif %}{% if m.tool_calls %}{{ m.tool_calls | tojson }}"
+            "{% endif %}: {{ m.content }}\n{% endfor %}{% if greeting %}{{ greeting }}{% endif %}")
+
+
+def test_messages_and_template_kwargs_reach_the_chat_template(tiny_model_dir):
+    frontend = scripted_frontend(tiny_model_dir, {})
+    frontend.tokenizer.hf.chat_template = TEMPLATE
+    messages = [{"role": "user", "content": "hi", "name": "bob"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]},
+                {"role": "tool", "content": "42", "tool_call_id": "c1"}]
+    with ThreadedServer(build_app(frontend)) as running:
+        tokens = httpx.post(f"{running.base_url}/tokenize", json={"messages": messages,
+                                                                  "chat_template_kwargs": {"greeting": "hello!"}})
+        text = httpx.post(f"{running.base_url}/detokenize", json={"tokens": tokens.json()["tokens"]}).json()["prompt"]
+        chat = httpx.post(f"{running.base_url}/v1/chat/completions",
+                          json={"messages": messages, "max_tokens": 1, "chat_template_kwargs": {"greeting": "hello!"}})
+    assert text == 'user(bob): hi\nassistant[{"id": "c1"}]: \ntool[c1]: 42\nhello!'
+    assert chat.json()["usage"]["prompt_tokens"] == tokens.json()["count"]
