@@ -11,6 +11,7 @@ import torch
 from pegaserve.engine.attention import AttentionBackend, AttentionBatch
 
 from .decode_attention import paged_decode_attention
+from .norm_rope import qk_norm_rope
 from .prefill_attention import prefill_attention
 from .store_kv import store_kv
 
@@ -27,6 +28,11 @@ class TritonBackend(AttentionBackend):
 
     def __init__(self) -> None:
         self._memo: tuple[AttentionBatch, torch.Tensor] | None = None
+
+    def qk_norm_rope(self, q, k, q_norm, k_norm, rotary, positions):
+        """The fused kernel (kernels/norm_rope.py): one launch for both norms and both rotations."""
+        assert q_norm.eps == k_norm.eps
+        return qk_norm_rope(q, k, q_norm.weight, k_norm.weight, rotary.cos, rotary.sin, positions, q_norm.eps)
 
     def forward(
         self,

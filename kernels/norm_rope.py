@@ -2,6 +2,12 @@
 per op: the residual add + RMSNorm before attention and MLP, and Qwen3's per-head q/k RMSNorm +
 rotate-half RoPE. Numerics follow `pegaserve.engine.qwen3`: normalize in fp32, cast to the model
 dtype, then scale by the weight in that dtype; RoPE tables are the model's fp32 cos/sin.
+
+Where they run: `qk_norm_rope` is the `triton` backend's `AttentionBackend.qk_norm_rope`, so on
+CUDA every layer's q/k norms and rotations are one launch. `add_rms_norm` is not wired: fusing the
+residual add into the norm means threading the residual through the model's forward (vLLM's
+`norm(x, residual)` style), which would make Qwen3's residual stream harder to read for one
+launch per norm; with no GPU lent to measure the gain, the model keeps its plain torch residuals.
 """
 
 from __future__ import annotations

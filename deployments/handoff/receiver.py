@@ -21,6 +21,7 @@ from deployments.channel import Address, Connection, connect
 from deployments.handoff.protocol import Fetch, FetchReply, Lease, OpenPair, PairOffer
 from deployments.handoff.transports import GlooPair, NcclPair, PairChannel, kv_from_bytes
 from pegaserve.engine.async_engine import AsyncEngine
+from pegaserve.engine.runner import unpack_blocks
 from pegaserve.engine.scheduler import ReceiveTarget
 
 log = logging.getLogger("ray.serve")
@@ -77,7 +78,7 @@ class KvReceiver:
                 packed = await self._pull(lease, target.first_block, shape)
             if packed is None:
                 return None
-        await asyncio.to_thread(_unpack, self.engine.kv_cache, target.block_ids, packed)
+        await asyncio.to_thread(unpack_blocks, self.engine.kv_cache, target.block_ids, packed)
         return packed.numel() * packed.element_size()
 
     async def _pull(self, lease: Lease, first_block: int, shape: tuple[int, ...]) -> torch.Tensor | None:
@@ -125,6 +126,3 @@ class KvReceiver:
         if peer is not None:
             peer.connection.close()
 
-
-def _unpack(cache: torch.Tensor, block_ids, packed: torch.Tensor) -> None:
-    cache.index_copy_(2, torch.tensor(list(block_ids), device=cache.device), packed.to(cache))

@@ -15,7 +15,6 @@ import logging
 import time
 
 import ray
-import torch
 
 from deployments.channel import Address, Connection, Listener
 from deployments.handoff.protocol import Fetch, FetchReply, Lease, OpenPair, PairOffer, ReleaseLease
@@ -23,6 +22,7 @@ from deployments.handoff.transports import GlooPair, NcclPair, PairChannel, kv_a
 from pegaserve.engine import core
 from pegaserve.engine.async_engine import AsyncEngine
 from pegaserve.engine.request import EngineRequest
+from pegaserve.engine.runner import pack_blocks
 from pegaserve.ledger import KvSent
 
 log = logging.getLogger("ray.serve")
@@ -72,7 +72,7 @@ class KvSender:
             except KeyError:
                 pass  # the lease already expired
             else:
-                packed = await asyncio.to_thread(_pack, cache, block_ids)
+                packed = await asyncio.to_thread(pack_blocks, cache, block_ids)
                 kv_ref = [ray.put(kv_as_bytes(packed))]
                 self.engine.release(request.request_id)
         return Lease(request.request_id, self.name, self.address, shape, dtype, block_bytes, kv_ref)
@@ -112,7 +112,7 @@ class KvSender:
         try:
             if self.delay_send_s:
                 await asyncio.sleep(self.delay_send_s)
-            packed = await asyncio.to_thread(_pack, self.engine.kv_cache, block_ids[fetch.first_block :])
+            packed = await asyncio.to_thread(pack_blocks, self.engine.kv_cache, block_ids[fetch.first_block :])
             kv_bytes = packed.numel() * packed.element_size()
             connection.send(FetchReply(True, kv_bytes=kv_bytes))
             # shielded: once announced, the send completes even if this replica is told to stop,
@@ -139,6 +139,3 @@ class KvSender:
         self._listener.close()
 
 
-def _pack(cache: torch.Tensor, block_ids) -> torch.Tensor:
-    """`[layers, 2, len(block_ids), block_size, kv_heads, head_dim]`, contiguous."""
-    return cache.index_select(2, torch.tensor(list(block_ids), device=cache.device))

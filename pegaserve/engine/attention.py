@@ -48,6 +48,11 @@ class AttentionBatch:
 class AttentionBackend(ABC):
     name: str
 
+    def qk_norm_rope(self, q: torch.Tensor, k: torch.Tensor, q_norm, k_norm, rotary, positions: torch.Tensor):
+        """Qwen3's per-head q/k RMSNorm then RoPE (the model's modules: the reference). A backend
+        may fuse them (`triton` does, on CUDA)."""
+        return rotary(q_norm(q), positions), rotary(k_norm(k), positions)
+
     @abstractmethod
     def forward(
         self,

@@ -62,10 +62,10 @@ class Attention(nn.Module):
 
     def forward(self, x, positions, kv_layer, batch: AttentionBatch) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim))
+        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(q, positions), self.rotary(k, positions)
+        q, k = self.backend.qk_norm_rope(q, k, self.q_norm, self.k_norm, self.rotary, positions)  # norm, then RoPE
         out = self.backend.forward(q, k, v, kv_layer, batch, scale=self.head_dim**-0.5)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 

@@ -99,11 +99,37 @@ class ModelRunner:
 
     def export_blocks(self, block_ids) -> torch.Tensor:
         """Pack blocks for the handoff: `[num_layers, 2, len(block_ids), block_size, kvh, hd]`."""
-        return self.kv_cache.index_select(2, torch.tensor(list(block_ids), device=self.device))
+        return pack_blocks(self.kv_cache, block_ids)
 
     def import_blocks(self, block_ids, packed: torch.Tensor) -> None:
-        expected = (*self.kv_cache.shape[:2], len(block_ids), *self.kv_cache.shape[3:])
-        if tuple(packed.shape) != expected:
-            raise ValueError(f"KV shape {tuple(packed.shape)} does not fit this cache: expected {expected}")
-        index = torch.tensor(list(block_ids), device=self.device)
-        self.kv_cache.index_copy_(2, index, packed.to(self.kv_cache))
+        unpack_blocks(self.kv_cache, block_ids, packed)
+
+
+def pack_blocks(kv_cache: torch.Tensor, block_ids) -> torch.Tensor:
+    """`kv_cache[:, :, block_ids]`, contiguous: the handoff's packed form. On CUDA the Triton
+    gather kernel (kernels/block_copy.py) does it; elsewhere torch's index_select."""
+    index = torch.tensor(list(block_ids), device=kv_cache.device)
+    if kv_cache.is_cuda and _block_copy() is not None:
+        return _block_copy().gather_blocks(kv_cache, index)
+    return kv_cache.index_select(2, index)
+
+
+def unpack_blocks(kv_cache: torch.Tensor, block_ids, packed: torch.Tensor) -> None:
+    """`kv_cache[:, :, block_ids] = packed` (the Triton scatter kernel on CUDA)."""
+    expected = (*kv_cache.shape[:2], len(block_ids), *kv_cache.shape[3:])
+    if tuple(packed.shape) != expected:
+        raise ValueError(f"KV shape {tuple(packed.shape)} does not fit this cache: expected {expected}")
+    index = torch.tensor(list(block_ids), device=kv_cache.device)
+    packed = packed.to(kv_cache)
+    if kv_cache.is_cuda and _block_copy() is not None:
+        _block_copy().scatter_blocks(packed, kv_cache, index)
+    else:
+        kv_cache.index_copy_(2, index, packed)
+
+
+def _block_copy():
+    try:
+        from pegaserve_kernels import block_copy  # noqa: PLC0415 - the optional GPU path
+    except ImportError:
+        return None
+    return block_copy
