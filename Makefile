@@ -25,7 +25,7 @@ serve: model
 	$(VENV)/bin/serve run $(CONFIG)
 
 serve-colocated: model
-	$(PY) -m pegaserve.api.server --model qwen3-tiny
+	$(PY) -m pegaserve --model qwen3-tiny
 
 test: model
 	$(PY) -m pytest -q
