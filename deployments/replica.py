@@ -16,6 +16,7 @@ from pegaserve.default_model import ensure_model_dir
 from pegaserve.engine.async_engine import AsyncEngine, StepSink
 from pegaserve.engine.config import EngineConfig, Role, SpeculativeConfig
 from pegaserve.engine.core_process import EngineSpec, ProcessTransport, build_engine
+from pegaserve.engine.engine import EngineStats
 from pegaserve.testing.hook import active_doubles
 
 log = logging.getLogger("ray.serve")
@@ -82,6 +83,18 @@ def check_engine(engine: AsyncEngine) -> None:
         raise EngineUnhealthy(f"the engine has work but has not stepped for {health.seconds_since_step:.0f} s")
 
 
+def stats_view(stats: EngineStats) -> dict:
+    """A replica's entry in /admin/stats: its engine's counters and the rates they make."""
+    return {
+        **stats.__dict__,
+        "prefix_cache_hit_rate": (stats.prefix_cache_hit_tokens / stats.prefix_cache_queried_tokens
+                                  if stats.prefix_cache_queried_tokens else None),
+        "acceptance_rate": stats.num_accepted_tokens / stats.num_draft_tokens if stats.num_draft_tokens else None,
+        "mean_tokens_per_step": (stats.num_spec_emitted_tokens / stats.num_spec_steps
+                                 if stats.num_spec_steps else None),  # of the steps that verified drafts
+    }
+
+
 async def post_stats_forever(engine: AsyncEngine, metrics: EngineMetrics, name: str, role: str,
                              extra=dict, period_s: float = 1.0) -> None:
     """Every `period_s`: this replica's engine stats to the stats board (for /admin/stats, which
@@ -91,7 +104,7 @@ async def post_stats_forever(engine: AsyncEngine, metrics: EngineMetrics, name: 
         try:
             stats = await engine.stats()
             metrics.update(stats)
-            board.post.remote(name, {**stats.__dict__, "role": role, **extra()})
+            board.post.remote(name, {**stats_view(stats), "role": role, **extra()})
         except Exception:  # a dead engine fails the health check; this loop only reports
             log.warning("posting the engine stats failed", exc_info=True)
         await asyncio.sleep(period_s)
