@@ -21,9 +21,9 @@ from pegaserve.api.observer import RequestObserver
 from pegaserve.api.validation import Limits, PromptPlan
 from pegaserve.api.wire import ChoiceResult, Usage, Wire
 from pegaserve.engine.engine import EngineOverloaded, RequestRejected
-from pegaserve.engine.request import EngineRequest
+from pegaserve.engine.request import EngineRequest, StepOutput
 from pegaserve.ledger import Arrived, Finished, LedgerEvent, TokensCommitted
-from pegaserve.stop import Abort, Error, String
+from pegaserve.stop import Abort, Error, StopCause, String
 from pegaserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -116,74 +116,108 @@ class Frontend:
     async def _run_prompt(self, job: Job, p: int) -> AsyncIterator[tuple[int, ChoiceDelta]]:
         """Prompt p's choices through their finishing deltas. Leaving early aborts the engine request;
         a stop string aborts its own choice at once (rule 11)."""
-        request, plan = job.engine_request(p), job.prompts[p]
-        choice_ids = [request.choice_id(j) for j in range(job.n)]
-        indices = {c: p * job.n + j for j, c in enumerate(choice_ids)}
-        streams = {c: ChoiceStream(self.tokenizer.detokenizer(plan.skip_special_tokens), plan.stops,
-                                   plan.policy.min_tokens) for c in choice_ids}
-        running = set(choice_ids)
-        num_prompt_tokens = len(plan.prompt_token_ids)
-        scores = None  # the prompt's scores, which its choices share
-        await self.ledger.record([Arrived(c, num_prompt_tokens if j == 0 else 0, plan.policy.max_tokens,
-                                          job.client_request_id) for j, c in enumerate(choice_ids)], "ingress")
-        outputs = self.engine.generate(request)
+        run = _PromptRun(job, p, self.tokenizer)
+        await self.ledger.record(run.arrivals(), "ingress")
+        outputs = self.engine.generate(run.request)
         start = last = time.perf_counter()
         try:
             async for output in outputs:
-                if output.request_id not in running:
-                    continue  # a choice a stop string ended: what the engine made after it is discarded
-                if output.prompt_logprobs is not None:
-                    # The choice that prefilled the prompt scored all of it; the others share that.
-                    if scores is None or len(output.prompt_logprobs) > len(scores):
-                        scores = output.prompt_logprobs
-                    output = replace(output, prompt_logprobs=scores)
-                stream = streams[output.request_id]
-                delta = stream.feed(output)
-                if stream.finish is not None:
-                    running.discard(output.request_id)
-                    if isinstance(stream.finish, String):
+                step = run.feed(output)
+                if step is not None:
+                    if isinstance(step.finish, String):
                         self.engine.abort(output.request_id)
-                if delta is not None:
                     now = time.perf_counter()
                     if last == start:
                         self.observer.first_token(now - start)
                     else:
-                        self.observer.tokens(len(delta.tokens), now - last)
+                        self.observer.tokens(len(step.tokens), now - last)
                     last = now
-                    yield indices[output.request_id], delta
-                if not running:
+                    yield run.index(output.request_id), step
+                if run.done:
                     break
         except RequestRejected as exc:
-            self._fail(streams, exc)
+            run.fail(exc)
             raise ApiError(str(exc), param="prompt") from exc
         except EngineOverloaded as exc:
-            self._fail(streams, exc)
+            run.fail(exc)
             raise ApiError("the server is at capacity; retry later", status=429) from exc
         except Exception as exc:  # a replica died, a transfer broke: the request fails, the server does not
-            log.exception("request %s (client id %r) failed", request.request_id, job.client_request_id)
-            self._fail(streams, exc)
+            log.exception("request %s (client id %r) failed", run.request.request_id, job.client_request_id)
+            run.fail(exc)
             raise ApiError(FAILED, status=500) from exc
         finally:
             await outputs.aclose()
-            await asyncio.shield(self._account(job, request, streams, time.perf_counter() - start))
+            await asyncio.shield(self._account(run, time.perf_counter() - start))
 
-    def _fail(self, streams: dict[str, ChoiceStream], exc: Exception) -> None:
-        for stream in streams.values():
+    async def _account(self, run: _PromptRun, e2e_s: float) -> None:
+        for j, cause, prompt_tokens, num_tokens in run.outcomes():
+            if isinstance(cause, Error):
+                log.warning("request %s (client id %r) choice %d failed: %s", run.job.response_id,
+                            run.job.client_request_id, j, cause.message)
+            self.observer.finished(cause, prompt_tokens, num_tokens, e2e_s)
+        await self.ledger.record(run.finishes(), "ingress")
+
+
+class _PromptRun:
+    """One prompt's choices while they run: each its `ChoiceStream`, owned here."""
+
+    def __init__(self, job: Job, p: int, tokenizer: Tokenizer) -> None:
+        self.job = job
+        self.request = job.engine_request(p)
+        plan = job.prompts[p]
+        self._choice_ids = [self.request.choice_id(j) for j in range(job.n)]
+        self._first_index = p * job.n
+        self._streams = {c: ChoiceStream(tokenizer.detokenizer(plan.skip_special_tokens), plan.stops,
+                                         plan.policy.min_tokens) for c in self._choice_ids}
+        self._running = set(self._choice_ids)
+        self._scores = None  # the prompt's scores, which its choices share
+
+    @property
+    def done(self) -> bool:
+        return not self._running
+
+    def index(self, choice_id: str) -> int:
+        return self._first_index + self._choice_ids.index(choice_id)
+
+    def feed(self, output: StepOutput) -> ChoiceDelta | None:
+        """The delta `output` gives its choice's client, if any."""
+        if output.request_id not in self._running:
+            return None  # a choice a stop string ended: what the engine made after it is discarded
+        if output.prompt_logprobs is not None:
+            # The choice that prefilled the prompt scored all of it; the others share that.
+            if self._scores is None or len(output.prompt_logprobs) > len(self._scores):
+                self._scores = output.prompt_logprobs
+            output = replace(output, prompt_logprobs=self._scores)
+        stream = self._streams[output.request_id]
+        delta = stream.feed(output)
+        if stream.finish is not None:
+            self._running.discard(output.request_id)
+        return delta
+
+    def fail(self, exc: Exception) -> None:
+        for stream in self._streams.values():
             if stream.finish is None:
                 stream.finish = Error(f"{type(exc).__name__}: {exc}")
 
-    async def _account(self, job: Job, request: EngineRequest, streams: dict[str, ChoiceStream], e2e_s: float) -> None:
+    def arrivals(self) -> list[LedgerEvent]:
+        return [Arrived(c, prompt_tokens, self.request.policy.max_tokens, self.job.client_request_id)
+                for (c, prompt_tokens) in zip(self._choice_ids, self._prompt_shares())]
+
+    def outcomes(self) -> list[tuple[int, StopCause, int, int]]:
+        """(choice, cause, prompt tokens it accounts for, its tokens); no finish: the client went away."""
+        return [(j, stream.finish or Abort(), prompt_tokens, stream.num_tokens)
+                for j, (stream, prompt_tokens) in enumerate(zip(self._streams.values(), self._prompt_shares()))]
+
+    def finishes(self) -> list[LedgerEvent]:
         events: list[LedgerEvent] = []
-        for j, (choice_id, stream) in enumerate(streams.items()):
-            cause = stream.finish or Abort()  # no finish: the client went away
-            if isinstance(cause, Error):
-                log.warning("request %s (client id %r) choice %d failed: %s", job.response_id,
-                            job.client_request_id, j, cause.message)
-            prompt_tokens = len(request.prompt_token_ids) if j == 0 else 0
-            self.observer.finished(cause, prompt_tokens, stream.num_tokens, e2e_s)
-            events += [TokensCommitted(choice_id, tuple(stream.token_ids)),
-                       Finished(choice_id, cause, prompt_tokens, stream.num_tokens)]
-        await self.ledger.record(events, "ingress")
+        for choice_id, (_, cause, prompt_tokens, num_tokens) in zip(self._choice_ids, self.outcomes()):
+            events += [TokensCommitted(choice_id, tuple(self._streams[choice_id].token_ids)),
+                       Finished(choice_id, cause, prompt_tokens, num_tokens)]
+        return events
+
+    def _prompt_shares(self) -> list[int]:
+        """The choices share one prefill: the first accounts for the prompt, so records sum to the usage."""
+        return [len(self.request.prompt_token_ids) if j == 0 else 0 for j in range(self.job.n)]
 
 
 async def _merge(streams: list[AsyncIterator]) -> AsyncIterator:

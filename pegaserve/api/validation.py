@@ -165,7 +165,7 @@ def _policy(body: SamplingFields, prompt_ids: tuple[int, ...], model: ModelInfo,
     if max_tokens is None:
         max_tokens = room if limits.max_tokens is None else min(room, limits.max_tokens)
     if max_tokens < 1 and not (echo and max_tokens == 0):
-        raise invalid(param, f"must be at least 1 (0 only with echo, to score the prompt), got {max_tokens}")
+        raise invalid(param, f"must be at least 1, got {max_tokens} (0 only scores the prompt: completions with echo)")
     if limits.max_tokens is not None and max_tokens > limits.max_tokens:
         raise invalid(param, f"this server generates at most {limits.max_tokens} tokens, got {max_tokens}")
     if max_tokens > room:
