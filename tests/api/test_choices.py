@@ -9,10 +9,8 @@ import httpx
 import openai
 import pytest
 
-from pegaserve.api.app import build_app
 from pegaserve.testing.contract import answer_from_body, check_ledger, ledger_keys
-from tests.api.helpers import real_frontend, sse_chunks
-from tests.contract.server import ThreadedServer
+from tests.api.helpers import sse_chunks
 
 PROMPT = [9707, 11, 1879, 0, 785, 3974]
 OTHER = [16, 220, 17, 11]
@@ -20,9 +18,8 @@ TOKENS = 10
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    with ThreadedServer(build_app(real_frontend())) as running:
-        yield running
+def server(real_server):
+    return real_server
 
 
 @pytest.fixture(scope="module")

@@ -8,26 +8,21 @@ import httpx
 import openai
 import pytest
 import torch
-from transformers import Qwen3ForCausalLM
 
-from pegaserve.api.app import build_app
-from tests.api.helpers import real_frontend, sse_chunks
-from tests.contract.server import ThreadedServer
+from tests.api.helpers import sse_chunks
 
 PROMPT = [9707, 11, 1879, 0, 785, 3974, 13876, 38835, 34208, 916]
 TOP = 3
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    with ThreadedServer(build_app(real_frontend())) as running:
-        yield running
+def server(real_server):
+    return real_server
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir) -> torch.Tensor:
+def reference(hf) -> torch.Tensor:
     """[len(PROMPT), vocab]: row p is the log-softmax that predicts prompt token p + 1."""
-    hf = Qwen3ForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     with torch.inference_mode():
         logits = hf(input_ids=torch.tensor([PROMPT])).logits[0].double()
     return torch.log_softmax(logits, -1)

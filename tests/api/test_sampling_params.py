@@ -9,25 +9,14 @@ from collections import Counter
 import httpx
 import pytest
 import torch
-from transformers import Qwen3ForCausalLM
-
-from pegaserve.api.app import build_app
-from tests.api.helpers import real_frontend
-from tests.contract.server import ThreadedServer
 
 PROMPT = [785, 3974, 13876, 38835, 34208, 916, 279, 15678, 5562, 13]
 TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    with ThreadedServer(build_app(real_frontend())) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def hf(tiny_model_dir):
-    return Qwen3ForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+def server(real_server):
+    return real_server
 
 
 def reference(hf, steps: int = TOKENS, repetition: float = 1.0, presence: float = 0.0, frequency: float = 0.0,
