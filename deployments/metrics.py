@@ -248,7 +248,8 @@ class HttpStatusMetrics:
     endpoint and status (`status_class`); a response the client abandoned before its end (a
     disconnect, or a cancelled request) counts as 499. `model` is the served name.
 
-    `HttpStatusMetrics(app, model)` wraps `app`; every endpoint x status series starts at 0."""
+    `HttpStatusMetrics(app, model)` wraps `app` (or `fastapi_app.add_middleware(HttpStatusMetrics,
+    model=...)`, outermost when added last); every endpoint x status series starts at 0."""
 
     def __init__(self, app: Asgi, model: str, deployment: str = "Ingress") -> None:
         self.app = app
@@ -257,6 +258,13 @@ class HttpStatusMetrics:
         for endpoint in ENDPOINTS:
             for status in STATUSES:
                 zero(self.responses, {"endpoint": endpoint, "status": status})
+
+    def __getattr__(self, name: str) -> Any:
+        # Wrapped directly, it stays transparent: Serve configures the app it is handed (it installs
+        # its back-pressure exception handlers through `add_exception_handler`).
+        if name == "app":
+            raise AttributeError(name)
+        return getattr(self.app, name)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
