@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from prometheus_process import PrometheusProcess
 
 REPO = Path(__file__).resolve().parent.parent
+RAY_EXPORT_S = 11  # Ray's workers export their metrics every 10 s (metrics_report_interval_ms)
 RATE_INTERVAL = "1m"  # what Grafana's $__rate_interval is for a 5 s scrape and a short time range
 HARD_CODED_WINDOW = re.compile(r"\[\d+[smhdwy]\]|offset \d+[smhdwy]")
 
@@ -40,6 +41,11 @@ MAY_BE_EMPTY = {
     ("Speculative decoding: acceptance and tokens per step", "tokens per step {{deployment}}"):
         "0 / 0 unless `speculative` is configured",
 }
+# Counters every app exports at 0 from its replicas' start.
+ZEROED_AT_START = ("ray_pegaserve_http_responses_total", "ray_pegaserve_requests_finished_total",
+                   "ray_pegaserve_prompt_tokens_total", "ray_pegaserve_completion_tokens_total",
+                   "ray_pegaserve_migrations_total", "ray_pegaserve_preemptions_total",
+                   "ray_pegaserve_prefix_cache_queried_tokens_total", "ray_pegaserve_spec_draft_tokens_total")
 # Families only a P/D app exports (colocated has no KV handoff).
 PD_ONLY = re.compile(r"ray_pegaserve_kv_(transfer|fallbacks)")
 
@@ -65,7 +71,10 @@ def main() -> int:
         print(f"pegaserve at {args.url} serves {served!r}; Ray targets from {args.sd_file}")
         with PrometheusProcess(args.prometheus, Path(args.sd_file), scrape_interval_s=5) as prometheus:
             prom = httpx.Client(base_url=prometheus.url, timeout=30)
-            prometheus.wait_scraped(prom, deadline, scrapes=2)  # the counters' zeros, before any event
+            warm_up(server, served)
+            prometheus.wait_scraped(prom, deadline, scrapes=2)
+            time.sleep(RAY_EXPORT_S)
+            wait_for_zeros(prom, served, min(deadline, time.monotonic() + 60))
             started = time.time()
             send_traffic(server, served)
             wait_for_events(prom, served, deadline)
@@ -77,6 +86,13 @@ def served_model(server: httpx.Client) -> str:
     models = server.get("/v1/models")
     models.raise_for_status()
     return models.json()["data"][0]["id"]
+
+
+def warm_up(server: httpx.Client, model: str) -> None:
+    """One request before the baseline: a histogram's series are born at their first observation,
+    so without a sample before the traffic its quantile panels would see no increase."""
+    body = {"model": model, "prompt": "Hi", "max_tokens": 4, "ignore_eos": True}
+    server.post("/v1/completions", json=body).raise_for_status()
 
 
 def send_traffic(server: httpx.Client, model: str) -> None:
@@ -104,6 +120,17 @@ def send_traffic(server: httpx.Client, model: str) -> None:
     wrong = {name: code for name, code in outcomes.items() if name in expected and code != expected[name]}
     if wrong:
         raise SystemExit(f"unexpected statuses {wrong} (expected {expected})")
+
+
+def wait_for_zeros(prom: httpx.Client, model: str, deadline: float) -> None:
+    """The counters a replica builds at 0 must be in Prometheus before any event: else a rate panel
+    would miss the first one (and a family missing here is not wired in at all)."""
+    missing = list(ZEROED_AT_START)
+    while missing and time.monotonic() < deadline:
+        missing = [name for name in missing if not instant(prom, f'{name}{{model="{model}"}}')]
+        time.sleep(2)
+    if missing:
+        raise SystemExit(f"not exported before any traffic (for model={model!r}): {missing}")
 
 
 def wait_for_events(prom: httpx.Client, model: str, deadline: float) -> None:
@@ -151,6 +178,9 @@ def check_dashboard(prom: httpx.Client, dashboard: dict, model: str, started: fl
             if not series and not excused:
                 failures.append(f"{panel['title']} / {legend}: no data after the traffic")
     failures += check_families(prom, model, " ".join(queried))
+    print("responses counted:", ", ".join(
+        f"{s['metric']['endpoint']} {s['metric']['status']}: {float(s['value'][1]):.0f}" for s in
+        instant(prom, f'sum by (endpoint, status) (ray_pegaserve_http_responses_total{{model="{model}"}}) > 0')))
     for failure in failures:
         print("FAIL", failure)
     print("dashboard check:", "failed" if failures else "passed",
