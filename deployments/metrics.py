@@ -272,7 +272,13 @@ class HttpStatusMetrics:
         progress = ResponseProgress()
 
         async def watched_receive() -> Message:
-            message = await receive()
+            try:
+                message = await receive()
+            except BaseException:
+                # Serve's receive raises (TaskCancelledError) once its proxy dropped the request for
+                # a client that went away.
+                progress.disconnected = True
+                raise
             if message["type"] == "http.disconnect":
                 progress.disconnected = True
             return message
