@@ -46,6 +46,12 @@ ZEROED_AT_START = ("ray_pegaserve_http_responses_total", "ray_pegaserve_requests
                    "ray_pegaserve_prompt_tokens_total", "ray_pegaserve_completion_tokens_total",
                    "ray_pegaserve_migrations_total", "ray_pegaserve_preemptions_total",
                    "ray_pegaserve_prefix_cache_queried_tokens_total", "ray_pegaserve_spec_draft_tokens_total")
+# Events this check causes once each: a rate panel must show them (a counter born at 1 would not).
+FIRST_EVENTS = {
+    "abandoned stream": 'ray_pegaserve_http_responses_total{{model="{model}", status="499"}}',
+    "400": 'ray_pegaserve_http_responses_total{{model="{model}", status="400"}}',
+    "abort": 'ray_pegaserve_requests_finished_total{{model="{model}", stop_cause="abort"}}',
+}
 # Families only a P/D app exports (colocated has no KV handoff).
 PD_ONLY = re.compile(r"ray_pegaserve_kv_(transfer|fallbacks)")
 
@@ -178,6 +184,11 @@ def check_dashboard(prom: httpx.Client, dashboard: dict, model: str, started: fl
             if not series and not excused:
                 failures.append(f"{panel['title']} / {legend}: no data after the traffic")
     failures += check_families(prom, model, " ".join(queried))
+    for name, selector in FIRST_EVENTS.items():
+        query = (f"max_over_time((sum(rate({selector.format(model=model)}[{RATE_INTERVAL}])))"
+                 f"[{int(time.time() - started) + 60}s:5s]) > 0")
+        if not instant(prom, query):
+            failures.append(f"the check's {name} never showed on its rate panel")
     print("responses counted:", ", ".join(
         f"{s['metric']['endpoint']} {s['metric']['status']}: {float(s['value'][1]):.0f}" for s in
         instant(prom, f'sum by (endpoint, status) (ray_pegaserve_http_responses_total{{model="{model}"}}) > 0')))
