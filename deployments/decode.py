@@ -21,7 +21,7 @@ class Decode(EngineServer):
     def __init__(self, args: dict) -> None:
         super().__init__(args, Role.DECODE, "Decode")
         self.receiver = KvReceiver(self.engine, self.name, self.args.transport, self.args.transfer_timeout_s)
-        self.transfers = TransferMetrics(self.args.served_name, "Decode")
+        self.transfers = TransferMetrics(self.args.served_name, "Decode", (self.args.transport,))
 
     async def generate(self, request: EngineRequest, choices: tuple[tuple[int, tuple[SampledToken, ...]], ...],
                        lease: Lease | None, reply_to: Address, tag: int) -> None:

@@ -10,7 +10,7 @@ from ray import serve
 
 from deployments.clients import ActorLedgerClient, ColocatedClient, DisaggregatedClient
 from deployments.config import AppArgs
-from deployments.metrics import IngressMetrics
+from deployments.metrics import HttpStatusMetrics, IngressMetrics
 from deployments.replica import ledger_buffer, replica_name
 from deployments.tokens import TokenInbox
 from pegaserve.api.app import build_app
@@ -45,7 +45,9 @@ class Ingress:
         self.frontend = Frontend(engine, tokenizer, info, ledger, limits, IngressMetrics(info.name))
 
     def __serve_build_asgi_app__(self):
-        return build_app(self.frontend, self.args.all_api_keys(), self.args.max_inflight_requests)
+        app = build_app(self.frontend, self.args.all_api_keys(), self.args.max_inflight_requests)
+        app.add_middleware(HttpStatusMetrics, model=self.args.served_name)  # outermost: counts the guards' too
+        return app
 
     async def check_health(self) -> None:
         if not self.inbox.serving:

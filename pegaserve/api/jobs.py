@@ -38,11 +38,14 @@ def completion_job(frontend: Frontend, body: CompletionRequest, header_id: str |
         if body.echo:  # the prompt as the client sent it, or (ids, or truncated) as the model saw it
             echo = prompt if isinstance(prompt, str) and len(ids) == len(raw) \
                 else frontend.tokenizer.decode(list(ids), skip_special_tokens=False)
-        plans.append(v.plan_prompt(body, ids, frontend.model, frontend.limits, (body.max_tokens, "max_tokens"),
-                                   num_top, echo))
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        plans.append(v.plan_prompt(body, ids, frontend.model, frontend.limits, (max_tokens, "max_tokens"), num_top, echo))
     response_id = new_response_id("cmpl")
     wire = _wire(frontend, body, Endpoint.COMPLETIONS, response_id, num_top, echo=body.echo)
     return _job(body, response_id, header_id, plans, wire)
+
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions (chat: the context left)
 
 
 def chat_job(frontend: Frontend, body: ChatCompletionRequest, header_id: str | None) -> Job:

@@ -43,6 +43,10 @@ class Transport(ABC):
         """Begin delivering: `settle(key, result, error)` answers a call, `publish(outputs)` a step's
         outputs, `dead(error)` says the loop is gone for good (all on `loop`'s thread)."""
 
+    def rebind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Deliver to `loop` from now on (the first one closed: a new `asyncio.run`)."""
+        self.loop = loop
+
     @abstractmethod
     def send(self, key: int | None, command: Command) -> None: ...
 
@@ -72,9 +76,14 @@ class AsyncEngine:
         return cls(ThreadTransport(engine), on_step)
 
     def _ensure_started(self) -> None:
+        loop = asyncio.get_running_loop()
         if not self._started:
             self._started = True
-            self.transport.start(asyncio.get_running_loop(), self._settle, self._publish, self.fail_everything)
+            self.transport.start(loop, self._settle, self._publish, self.fail_everything)
+        elif self.transport.loop is not loop:  # a new event loop (a new asyncio.run)
+            self._calls.clear()
+            self._streams.clear()
+            self.transport.rebind(loop)
 
     # --- commands --------------------------------------------------------------------------------
 
@@ -236,12 +245,14 @@ class ThreadTransport(Transport):
         self._thread: threading.Thread | None = None
 
     def start(self, loop, settle, publish, dead) -> None:
+        self.loop = loop
+
         def answer(key, result, error) -> None:
             if key is not None:
-                loop.call_soon_threadsafe(settle, key, result, error)
+                self.loop.call_soon_threadsafe(settle, key, result, error)
 
         def ship(outputs) -> None:
-            loop.call_soon_threadsafe(publish, outputs)
+            self.loop.call_soon_threadsafe(publish, outputs)
 
         self._thread = threading.Thread(
             target=run_loop, args=(self.core, self._next_commands, answer, ship, lambda: self._stopped),

@@ -181,4 +181,7 @@ def run_loop(core: EngineCore, next_commands: Callable[[bool], list[tuple[object
                 log.debug("could not answer an engine command", exc_info=True)
         outputs = core.step()
         if outputs:
-            publish(outputs)
+            try:
+                publish(outputs)
+            except Exception:  # nobody to deliver to (the caller's event loop closed): the loop goes on
+                log.warning("could not deliver a step's outputs", exc_info=True)

@@ -152,6 +152,8 @@ class ProcessTransport(Transport):
         self._reader: threading.Thread | None = None
 
     def start(self, loop, settle, publish, dead) -> None:
+        self.loop = loop
+
         def read() -> None:
             while True:
                 try:
@@ -161,17 +163,23 @@ class ProcessTransport(Transport):
                 if message is None:
                     break
                 kind, body = message
-                if kind == "outputs":
-                    loop.call_soon_threadsafe(publish, body)
-                elif kind == "answer":
-                    key, result, error = body
-                    loop.call_soon_threadsafe(settle, key, result, error)
-                elif kind == "health":
+                if kind == "health":
                     self._health, self._health_at = body, time.monotonic()
+                    continue
+                try:
+                    if kind == "outputs":
+                        self.loop.call_soon_threadsafe(publish, body)
+                    elif kind == "answer":
+                        self.loop.call_soon_threadsafe(settle, *body)
+                except RuntimeError:  # the event loop closed; a new one rebinds
+                    log.warning("engine output for a closed event loop dropped")
             code = self._process.wait()
             self._dead = EngineDead(f"the engine process exited with code {code}")
             log.error("%s", self._dead)
-            loop.call_soon_threadsafe(dead, self._dead)
+            try:
+                self.loop.call_soon_threadsafe(dead, self._dead)
+            except RuntimeError:
+                pass
 
         self._reader = threading.Thread(target=read, name="pegaserve-engine-reader", daemon=True)
         self._reader.start()

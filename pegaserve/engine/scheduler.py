@@ -236,10 +236,9 @@ class Scheduler:
     def _row(self, request: RequestState, num_output: int, drafts: tuple[int, ...] = (),
              draft: int | None = None) -> SamplingRow:
         params = request.sampling
-        uses_output = params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
         return SamplingRow(
             params, num_output, request.policy.masked_token_ids(num_output),
-            output_token_ids=request.output_token_ids + drafts if uses_output else (),
+            output_token_ids=request.output_token_ids + drafts if params.has_penalties else (),
             prompt_token_ids=request.spec.prompt_token_ids if params.repetition_penalty != 1.0 else (),
             draft_token_id=draft,
         )  # fmt: skip
@@ -306,6 +305,7 @@ class Scheduler:
             self.kv.fork(lead, choice)
             choice.num_computed_tokens = lead.num_computed_tokens
             choice.num_cached_tokens = lead.num_cached_tokens
+            choice.prompt_scores = lead.prompt_scores  # the prompt's, complete now: the choices share it
             choice.set_status(Status.RUNNING)
             self.running.append(choice)
         for choice, token in zip((lead, *forks), tokens):

@@ -127,3 +127,12 @@ def test_the_engine_in_its_own_process_gives_the_same_tokens(tiny_model_dir, thr
         engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_one_engine_serves_one_event_loop_after_another(tiny_model_dir):
+    engine = AsyncEngine.in_thread(scripted_engine(tiny_model_dir, {}, EngineConfig(num_blocks=16)))
+    for i in range(3):  # each asyncio.run closes its loop; the engine delivers to the next one
+        outputs = asyncio.run(collect(engine, greedy_request(f"r{i}", [1, 2], 3)))
+        assert token_ids(outputs) == [64] * 3
+    assert engine.health().alive
+    engine.shutdown()
