@@ -172,6 +172,7 @@ class AsyncEngine:
         return imported[0], self._drain(handoff.request.request_id, choice_ids, outputs)
 
     async def _admit(self, choice_ids: list[str], command: Command, on_answer=None) -> asyncio.Queue[StepOutput]:
+        self._ensure_started()  # (before registering: a new event loop drops the old one's streams)
         outputs: asyncio.Queue[StepOutput] = asyncio.Queue()
         for choice_id in choice_ids:
             self._streams[choice_id] = outputs
