@@ -21,8 +21,11 @@ $(VENV)/.installed: pyproject.toml
 model: install
 	$(PY) -m pegaserve.default_model
 
+# Serve's high-throughput mode with HAProxy in front (deployments/env.py says why).
+SERVE_ENV = $(shell $(PY) -c 'from deployments.env import SERVE_ENV; print(" ".join(f"{k}={v}" for k, v in SERVE_ENV.items()))')
+
 serve: model
-	$(VENV)/bin/serve run $(CONFIG)
+	env $(SERVE_ENV) $(VENV)/bin/serve run $(CONFIG)
 
 serve-colocated: model
 	$(PY) -m pegaserve --model qwen3-tiny

@@ -50,6 +50,13 @@ class LocalServe:
         return ENGINE_OPTIONS  # each engine's torch threads: the app's `engine.torch_threads`
 
     def __enter__(self) -> LocalServe:
+        import os  # noqa: PLC0415
+
+        from deployments.env import SERVE_ENV  # noqa: PLC0415 - Serve as `make serve` runs it
+
+        for key, value in SERVE_ENV.items():  # before Ray Serve is imported: it reads them once
+            os.environ.setdefault(key, value)
+        os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "1")  # deleting an app
         import ray  # noqa: PLC0415 - keep `--help` and the transformers-only runs light
         from ray import serve  # noqa: PLC0415
 

@@ -10,7 +10,9 @@ if curl -sf 127.0.0.1:8000/health >/dev/null 2>&1; then
   echo "something already serves 127.0.0.1:8000; stop it first (serve shutdown -y)" >&2
   exit 2
 fi
-"$VENV/bin/serve" run "$CONFIG" >"$LOG" 2>&1 &
+# Serve's high-throughput mode with HAProxy, as `make serve` (deployments/env.py)
+serve_env=$("$VENV/bin/python" -c 'from deployments.env import SERVE_ENV; print(" ".join(f"{k}={v}" for k, v in SERVE_ENV.items()))')
+env $serve_env "$VENV/bin/serve" run "$CONFIG" >"$LOG" 2>&1 &
 serve_pid=$!
 cleanup() {
   # SIGTERM makes `serve run` tear down the app and the Ray instance it started (a background job
