@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pegaserve.engine.attention import AttentionBackend, AttentionBatch
+from pegaserve.engine.fused_linear import FusedLinear
 from pegaserve.engine.model_config import ModelConfig
 
 
@@ -59,15 +60,19 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.rotary = rotary
         self.backend = backend
+        self.qkv = FusedLinear(self.q_proj, self.k_proj, self.v_proj)  # one GEMM, the same three outputs
+        self.out = FusedLinear(self.o_proj)
 
     def forward(self, x, positions, kv_layer, batch: AttentionBatch) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv(x).split((q_size, kv_size, kv_size), dim=-1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self.backend.qk_norm_rope(q, k, self.q_norm, self.k_norm, self.rotary, positions)  # norm, then RoPE
         out = self.backend.forward(q, k, v, kv_layer, batch, scale=self.head_dim**-0.5)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        return self.out(out.reshape(num_tokens, q_size))
 
 
 class MLP(nn.Module):
@@ -76,9 +81,12 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up = FusedLinear(self.gate_proj, self.up_proj)
+        self.down = FusedLinear(self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
