@@ -1,0 +1,130 @@
+// logits[M, N] = hidden[M, K] @ weight[N, K]^T in fp32, for a weight packed once into groups of
+// kGroupCols vocab rows: packed[g, k, c] = weight[g * kGroupCols + c, k], zero past N.
+//
+// The microkernel holds a tile of up to kMaxRows hidden rows x one group (kBlocks zmm of 16 vocab
+// entries) in 24 accumulators; each k step loads the group's kBlocks vectors once (one sequential
+// stream through the packed weight) and FMAs them with each row's broadcast hidden value. Every
+// output is an fp32 FMA chain over k in order, per chunk of kChunk, the chunks then added in order:
+// the error of a plain fp32 dot product, like oneDNN's.
+//
+// Plain C ABI (loaded with ctypes), so that it builds in a second with no torch headers and no ninja.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <thread>
+#include <vector>
+
+namespace {
+
+constexpr int kLanes = 16;
+constexpr int kBlocks = 3;
+constexpr int kGroupCols = kLanes * kBlocks;
+constexpr int kMaxRows = 8;  // kMaxRows * kBlocks accumulators + kBlocks weight vectors <= 32 zmm
+// Longer dot products are summed in chunks of kChunk, each added to the output: a shorter FMA chain
+// (the error grows with its length), and the order oneDNN uses on these machines for K <= 1024.
+constexpr int64_t kChunk = 512;
+// The weight is read once per call, and the hardware prefetcher alone leaves the FMAs waiting on it:
+// each k step asks for the lines 64 steps (12 KB) ahead; past the end of the packed weight that is a
+// harmless hint (prefetches never fault).
+constexpr int64_t kPrefetchAhead = 64 * kGroupCols;
+
+__mmask16 lane_mask(int64_t valid) {
+  if (valid <= 0) return 0;
+  if (valid >= kLanes) return 0xFFFF;
+  return static_cast<__mmask16>((1u << valid) - 1u);
+}
+
+template <int MT>
+void tile(const float* a, int64_t lda, const float* w, int64_t k_size, float* c, int64_t ldc, int64_t valid_cols,
+          bool accumulate) {
+  __m512 acc[MT][kBlocks];
+#pragma GCC unroll 8
+  for (int i = 0; i < MT; ++i)
+#pragma GCC unroll 3
+    for (int j = 0; j < kBlocks; ++j) acc[i][j] = _mm512_setzero_ps();
+
+#pragma GCC unroll 2
+  for (int64_t k = 0; k < k_size; ++k) {
+    const float* wk = w + k * kGroupCols;
+#pragma GCC unroll 3
+    for (int j = 0; j < kBlocks; ++j)
+      _mm_prefetch(reinterpret_cast<const char*>(wk + kPrefetchAhead + j * kLanes), _MM_HINT_T0);
+    const __m512 w0 = _mm512_load_ps(wk);
+    const __m512 w1 = _mm512_load_ps(wk + kLanes);
+    const __m512 w2 = _mm512_load_ps(wk + 2 * kLanes);
+#pragma GCC unroll 8
+    for (int i = 0; i < MT; ++i) {
+      const __m512 x = _mm512_set1_ps(a[i * lda + k]);
+      acc[i][0] = _mm512_fmadd_ps(x, w0, acc[i][0]);
+      acc[i][1] = _mm512_fmadd_ps(x, w1, acc[i][1]);
+      acc[i][2] = _mm512_fmadd_ps(x, w2, acc[i][2]);
+    }
+  }
+
+  if (valid_cols >= kGroupCols) {
+#pragma GCC unroll 8
+    for (int i = 0; i < MT; ++i)
+#pragma GCC unroll 3
+      for (int j = 0; j < kBlocks; ++j) {
+        float* out = c + i * ldc + j * kLanes;
+        _mm512_storeu_ps(out, accumulate ? _mm512_add_ps(_mm512_loadu_ps(out), acc[i][j]) : acc[i][j]);
+      }
+  } else {  // the vocab tail: the padded columns are computed (zeros) but not stored
+#pragma GCC unroll 8
+    for (int i = 0; i < MT; ++i)
+#pragma GCC unroll 3
+      for (int j = 0; j < kBlocks; ++j) {
+        float* out = c + i * ldc + j * kLanes;
+        const __mmask16 mask = lane_mask(valid_cols - j * kLanes);
+        const __m512 sum = accumulate ? _mm512_add_ps(_mm512_maskz_loadu_ps(mask, out), acc[i][j]) : acc[i][j];
+        _mm512_mask_storeu_ps(out, mask, sum);
+      }
+  }
+}
+
+using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, bool);
+constexpr TileFn kTiles[kMaxRows + 1] = {nullptr,  tile<1>, tile<2>, tile<3>, tile<4>,
+                                         tile<5>,  tile<6>, tile<7>, tile<8>};
+
+void run_groups(const float* hidden, int64_t m, int64_t k, const float* packed, int64_t n, float* out,
+                int64_t group_begin, int64_t group_end) {
+  for (int64_t g = group_begin; g < group_end; ++g) {
+    const float* w = packed + g * k * kGroupCols;
+    const int64_t col = g * kGroupCols;
+    for (int64_t row = 0; row < m; row += kMaxRows) {
+      const int64_t rows = std::min<int64_t>(kMaxRows, m - row);
+      for (int64_t k0 = 0; k0 < k; k0 += kChunk)
+        kTiles[rows](hidden + row * k + k0, k, w + k0 * kGroupCols, std::min(kChunk, k - k0), out + row * n + col, n,
+                     n - col, k0 > 0);
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int pegaserve_lm_head_group_cols() { return kGroupCols; }
+
+// hidden: [m, k] row-major; packed: [ceil(n / group_cols), k, group_cols], 64-byte aligned;
+// out: [m, n] row-major. Groups are split evenly over num_threads threads (the caller's included).
+void pegaserve_lm_head(const float* hidden, int64_t m, int64_t k, const float* packed, int64_t n, float* out,
+                       int64_t num_threads) {
+  const int64_t num_groups = (n + kGroupCols - 1) / kGroupCols;
+  const int64_t workers = std::max<int64_t>(1, std::min(num_threads, num_groups));
+  if (workers == 1) {
+    run_groups(hidden, m, k, packed, n, out, 0, num_groups);
+    return;
+  }
+  std::vector<std::thread> threads;
+  threads.reserve(workers - 1);
+  for (int64_t t = 1; t < workers; ++t)
+    threads.emplace_back(run_groups, hidden, m, k, packed, n, out, num_groups * t / workers,
+                         num_groups * (t + 1) / workers);
+  run_groups(hidden, m, k, packed, n, out, 0, num_groups / workers);
+  for (auto& thread : threads) thread.join();
+}
+
+}  // extern "C"

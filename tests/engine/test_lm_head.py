@@ -1,0 +1,164 @@
+"""The CPU LM head (`pegaserve/engine/lm_head.py`): the AVX-512 kernel and its oneDNN fallback
+against the float64 product, and the model's use of it."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from pegaserve.engine import lm_head
+from pegaserve.engine.attention import SdpaBackend
+from pegaserve.engine.lm_head import CpuLogits, lm_head_reference
+from pegaserve.engine.model_config import ModelConfig
+from pegaserve.engine.qwen3 import Qwen3ForCausalLM
+
+needs_avx512 = pytest.mark.skipif(
+    not lm_head.has_avx512(), reason="this CPU lacks AVX-512 F/BW/VL: the kernel cannot run (the fallback is tested)"
+)
+
+ROW_COUNTS = [1, 3, 16, 17, 33, 64]
+SHAPES = [(1000, 256), (1001, 128), (333, 1024)]  # (vocab N, hidden K); N not a multiple of 16 (or 48)
+
+
+def _weight_and_hidden(num_rows: int, hidden_size: int, num_tokens: int, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(num_rows, hidden_size, generator=generator)
+    hidden = torch.randn(num_tokens, hidden_size, generator=generator)
+    return weight, hidden
+
+
+def _relative_error(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor) -> float:
+    """max |logit - exact| / (|hidden| @ |weight|.T): the error in units of the dot product's own scale."""
+    scale = hidden.double().abs() @ weight.double().abs().T
+    return ((logits.double() - lm_head_reference(hidden, weight)).abs() / scale).max().item()
+
+
+@needs_avx512
+@pytest.mark.parametrize("num_rows, hidden_size", SHAPES)
+@pytest.mark.parametrize("num_tokens", ROW_COUNTS)
+def test_kernel_is_as_exact_as_onednn(num_rows, hidden_size, num_tokens):
+    weight, hidden = _weight_and_hidden(num_rows, hidden_size, num_tokens)
+    kernel, onednn = CpuLogits(weight), CpuLogits(weight, allow_avx512=False)
+    assert kernel.uses_avx512 and not onednn.uses_avx512
+
+    logits = kernel(hidden)
+
+    assert logits.shape == (num_tokens, num_rows) and logits.dtype == torch.float32
+    kernel_error = _relative_error(logits, hidden, weight)
+    onednn_error = _relative_error(onednn(hidden), hidden, weight)
+    assert kernel_error <= 2 * max(onednn_error, 2.0**-24)
+    assert kernel_error < 4 * hidden_size**0.5 * 2.0**-24  # a random-walk bound on fp32 rounding
+
+
+@pytest.mark.parametrize("num_rows, hidden_size", SHAPES)
+@pytest.mark.parametrize("num_tokens", [1, 17])
+def test_fallback_matches_reference(num_rows, hidden_size, num_tokens):
+    weight, hidden = _weight_and_hidden(num_rows, hidden_size, num_tokens)
+    head = CpuLogits(weight, allow_avx512=False)
+
+    assert not head.uses_avx512
+    torch.testing.assert_close(head(hidden).double(), lm_head_reference(hidden, weight), rtol=1e-5, atol=1e-4)
+
+
+@needs_avx512
+def test_greedy_tokens_match_onednn_but_for_near_ties():
+    weight, hidden = _weight_and_hidden(20_000, 256, 64, seed=1)
+    exact = lm_head_reference(hidden, weight)
+    top2 = exact.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 1e-4 * top2[:, 0].abs()
+
+    kernel = CpuLogits(weight)(hidden).argmax(-1)
+    onednn = CpuLogits(weight, allow_avx512=False)(hidden).argmax(-1)
+
+    assert clear.sum() > 50
+    assert torch.equal(kernel[clear], onednn[clear])
+    assert torch.equal(kernel[clear], exact.argmax(-1)[clear])
+
+
+@needs_avx512
+def test_threads_split_the_vocab_without_changing_a_bit():
+    weight, hidden = _weight_and_hidden(5003, 256, 9)
+    head = CpuLogits(weight)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = head(hidden)
+        torch.set_num_threads(3)
+        three = head(hidden)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, three)
+
+
+@needs_avx512
+def test_no_rows_and_strided_rows():
+    weight, hidden = _weight_and_hidden(100, 128, 10)
+    head = CpuLogits(weight)
+
+    assert head(hidden[:0]).shape == (0, 100)
+    strided = hidden[::2]  # rows 512 bytes apart, not contiguous
+    torch.testing.assert_close(head(strided), head(strided.contiguous()), rtol=0, atol=0)
+
+
+def test_wrong_hidden_size_and_unsupported_weight_raise():
+    weight, hidden = _weight_and_hidden(100, 128, 2)
+    with pytest.raises(ValueError, match=r"\[rows, 128\]"):
+        CpuLogits(weight)(torch.randn(2, 64))
+    assert not CpuLogits.supports(weight.bfloat16())
+    with pytest.raises(ValueError, match="fp32 CPU weight"):
+        CpuLogits(weight.bfloat16())
+
+
+@needs_avx512
+def test_builds_from_scratch(tmp_path: Path, monkeypatch):
+    monkeypatch.setattr(lm_head, "BUILD_ROOT", tmp_path)
+
+    built = lm_head._build()
+
+    assert built.is_file() and built.parent.parent == tmp_path
+    assert [p.name for p in built.parent.iterdir()] == ["lm_head.so"]  # no partial file left behind
+    assert lm_head._build() == built  # the second call reuses it
+
+
+def test_failed_build_falls_back_to_onednn(monkeypatch, caplog):
+    def fail() -> Path:
+        raise RuntimeError("c++ exited 1: no such flag")
+
+    monkeypatch.setattr(lm_head, "_build", fail)
+    monkeypatch.setattr(lm_head, "has_avx512", lambda: True)
+    lm_head._load_kernel.cache_clear()
+    try:
+        weight, hidden = _weight_and_hidden(100, 128, 3)
+        with caplog.at_level(logging.WARNING, logger=lm_head.__name__):
+            heads = [CpuLogits(weight), CpuLogits(weight)]
+        assert not any(head.uses_avx512 for head in heads)
+        assert [r.getMessage() for r in caplog.records].count(
+            "LM head: the AVX-512 kernel did not build (c++ exited 1: no such flag); using oneDNN's linear"
+        ) == 1  # fmt: skip
+        torch.testing.assert_close(heads[0](hidden).double(), lm_head_reference(hidden, weight), rtol=1e-5, atol=1e-4)
+    finally:
+        lm_head._load_kernel.cache_clear()
+
+
+def _tiny_config(vocab_size: int = 1003, hidden_size: int = 64) -> ModelConfig:
+    return ModelConfig(
+        model_dir=Path("unused"), vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=128,
+        num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, max_position_embeddings=64, eos_token_ids=frozenset({0}), dtype=torch.float32,
+    )  # fmt: skip
+
+
+@torch.inference_mode()
+def test_model_rebuilds_the_head_when_the_tied_weight_is_replaced():
+    model = Qwen3ForCausalLM(_tiny_config(), SdpaBackend())
+    hidden = torch.randn(5, 64)
+    torch.testing.assert_close(model.compute_logits(hidden), hidden @ model.lm_head.weight.T)
+
+    model.model.embed_tokens.weight = torch.nn.Parameter(torch.randn(1003, 64))
+    model.lm_head.weight = model.model.embed_tokens.weight  # as the loader re-ties
+
+    torch.testing.assert_close(model.compute_logits(hidden), hidden @ model.model.embed_tokens.weight.T)
+    assert model._cpu_logits.uses_avx512 == lm_head.has_avx512()
