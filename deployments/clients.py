@@ -27,6 +27,7 @@ from deployments.tokens import TokenInbox
 from pegaserve.api.clients import EngineClient, LedgerClient
 from pegaserve.engine.engine import EngineOverloaded, RequestRejected
 from pegaserve.engine.request import EngineRequest, SampledToken, StepOutput
+from pegaserve.engine.stream_interval import StreamInterval
 from pegaserve.ledger import Finished, LedgerEvent, Migrated
 
 log = logging.getLogger("ray.serve")
@@ -55,8 +56,9 @@ StartCall = Callable[[Choices, int, bool], object]  # (choices with their tokens
 
 class _ServeEngineClient(EngineClient):
     def __init__(self, inbox: TokenInbox, name: str, model: str, max_migrations: int,
-                 ledger: "ActorLedgerClient") -> None:
+                 ledger: "ActorLedgerClient", stream_interval: int = 1) -> None:
         self.inbox = inbox
+        self.stream_interval = stream_interval
         self.name = name
         self.max_migrations = max_migrations
         self.ledger = ledger
@@ -105,7 +107,7 @@ class _ServeEngineClient(EngineClient):
                 call = start(choices, tag, num_migrations > 0)
                 watcher = asyncio.ensure_future(_watch(call, queue, tag))
                 failure = None
-                async for output in _until_failure(queue, running, tag):
+                async for output in _until_failure(queue, running, tag, self.stream_interval):
                     if isinstance(output, BaseException):
                         failure = output
                         break
@@ -151,9 +153,23 @@ async def _watch(call, queue: asyncio.Queue, tag: int) -> None:
         queue.put_nowait(_CallEnded(tag, None))
 
 
-async def _until_failure(queue: asyncio.Queue, running: dict[str, list[SampledToken]], tag: int):
+async def _until_failure(queue: asyncio.Queue, running: dict[str, list[SampledToken]], tag: int,
+                         stream_interval: int = 1):
     """Outputs (updating `running`) until every choice finished, or a failure (yielded as the
-    exception, or as None when the call ended without finishing them)."""
+    exception), through the app's stream interval (`pegaserve.engine.stream_interval`)."""
+    interval = StreamInterval(stream_interval)
+    async for item in _outputs_until_failure(queue, running, tag):
+        if isinstance(item, BaseException):
+            for held in interval.flush():  # what was received is shown before a resume elsewhere
+                yield held
+            yield item
+        elif (message := interval.push(item)) is not None:
+            yield message
+    for held in interval.flush():
+        yield held
+
+
+async def _outputs_until_failure(queue: asyncio.Queue, running: dict[str, list[SampledToken]], tag: int):
     deadline = None
     while running:
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -184,8 +200,8 @@ class DisaggregatedClient(_ServeEngineClient):
     """Prefill first; decode only when some choice's first token is not terminal (rule 21)."""
 
     def __init__(self, prefill, decode, inbox: TokenInbox, name: str, model: str, max_migrations: int,
-                 ledger: "ActorLedgerClient") -> None:
-        super().__init__(inbox, name, model, max_migrations, ledger)
+                 ledger: "ActorLedgerClient", stream_interval: int = 1) -> None:
+        super().__init__(inbox, name, model, max_migrations, ledger, stream_interval)
         self.prefill = prefill
         self.decode = decode
         self.releaser = LeaseReleaser(name)
@@ -232,8 +248,8 @@ class DisaggregatedClient(_ServeEngineClient):
 
 class ColocatedClient(_ServeEngineClient):
     def __init__(self, colocated, inbox: TokenInbox, name: str, model: str, max_migrations: int,
-                 ledger: "ActorLedgerClient") -> None:
-        super().__init__(inbox, name, model, max_migrations, ledger)
+                 ledger: "ActorLedgerClient", stream_interval: int = 1) -> None:
+        super().__init__(inbox, name, model, max_migrations, ledger, stream_interval)
         self.colocated = colocated
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[StepOutput]:

@@ -37,10 +37,11 @@ class Ingress:
         self._heartbeat = asyncio.ensure_future(buffer.heartbeat_forever())
         ledger = ActorLedgerClient(buffer)
         if colocated is not None:
-            engine = ColocatedClient(colocated, self.inbox, self.name, info.name, self.args.max_migrations, ledger)
+            engine = ColocatedClient(colocated, self.inbox, self.name, info.name, self.args.max_migrations, ledger,
+                                     self.args.stream_interval)
         else:
             engine = DisaggregatedClient(prefill, decode, self.inbox, self.name, info.name, self.args.max_migrations,
-                                         ledger)
+                                         ledger, self.args.stream_interval)
         limits = Limits(**self.args.limits.model_dump())
         self.frontend = Frontend(engine, tokenizer, info, ledger, limits, IngressMetrics(info.name))
 

@@ -289,16 +289,3 @@ class ThreadTransport(Transport):
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-
-
-async def in_chunks(outputs: AsyncIterator[StepOutput], num_tokens: int) -> AsyncIterator[StepOutput]:
-    """Re-cut one choice's outputs into messages of at least `num_tokens` tokens (the last may be
-    shorter): vLLM's stream interval, trading streaming granularity for fewer messages."""
-    pending: StepOutput | None = None
-    async for output in outputs:
-        pending = output if pending is None else pending.then(output)
-        if pending.finish is not None or len(pending.tokens) >= num_tokens:
-            yield pending
-            pending = None
-    if pending is not None:
-        yield pending

@@ -109,18 +109,19 @@ def test_rule_18_an_excluded_trigger_adds_no_text_but_is_released(tokenizer, tin
     assert excluded.token_ids == included.token_ids == list(ONE_COMMA_TWO)
 
 
-def test_in_chunks_recuts_outputs_and_never_holds_the_finish():
-    import asyncio
+def test_stream_interval_recuts_outputs_and_never_holds_the_first_token_or_the_finish():
+    from pegaserve.engine.stream_interval import StreamInterval
 
-    from pegaserve.engine.async_engine import in_chunks
+    outputs = [StepOutput("r", tokens(100 + i)) for i in range(6)] + [StepOutput("r", tokens(200), Length())]
 
-    async def outputs():
-        for i in range(5):
-            yield StepOutput("r", tokens(100 + i))
-        yield StepOutput("r", tokens(200), Length())
+    def delivered(n):
+        interval = StreamInterval(n)
+        messages = [m for m in (interval.push(o) for o in outputs) if m is not None] + interval.flush()
+        return [[t.token_id for t in m.tokens] for m in messages]
 
-    async def collect(n):
-        return [[t.token_id for t in o.tokens] for o in [o async for o in in_chunks(outputs(), n)]]
-
-    assert asyncio.run(collect(1)) == [[100], [101], [102], [103], [104], [200]]
-    assert asyncio.run(collect(4)) == [[100, 101, 102, 103], [104, 200]]
+    assert delivered(1) == [[100], [101], [102], [103], [104], [105], [200]]
+    assert delivered(4) == [[100], [101, 102, 103, 104], [105, 200]]  # the first token at once
+    assert delivered(100)[-1][-1] == 200  # the finish never waits
+    interval = StreamInterval(4)
+    assert interval.push(outputs[0]) is not None and interval.push(outputs[1]) is None
+    assert [[t.token_id for t in m.tokens] for m in interval.flush()] == [[101]]  # held, released on demand
