@@ -116,3 +116,32 @@ dashboard-check:
 	@command -v $(PROMETHEUS) >/dev/null || { apt-get update -q && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus; }
 	$(PY) scripts/dashboard_check.py --prometheus $(PROMETHEUS) $(DASHBOARD_CHECK_ARGS)
+
+# EleutherAI's lm-evaluation-harness as a client of a running `make serve` (127.0.0.1 only; EVAL_ARGS=
+# --url=...), in its own virtualenv: its OpenAI-completions client (`local-completions`) runs the small local
+# tasks of evals/tasks (multiple choice and rolling perplexity: loglikelihood requests with echo + logprobs;
+# generate-until with stop sequences) through a recording proxy, then evals/check.py fails the run (exit 1)
+# unless every request got a well-formed answer. Nothing is downloaded at run time (local data, the served
+# model's tokenizer, the Hub offline). About a minute; reports in tmp/eval/. `make eval-standalone` runs it
+# against a fresh `serve run configs/cluster.yaml` that it starts and stops (scripts/with_serve.sh).
+EVAL_VENV ?= .venv-eval
+EVAL_PY := $(EVAL_VENV)/bin/python
+LM_EVAL_SPEC ?= lm_eval[api]==0.4.13
+EVAL_TRANSFORMERS_SPEC ?= transformers==5.24.0
+EVAL_ARGS ?=
+.PHONY: eval eval-install eval-standalone
+eval-install: $(EVAL_VENV)/.installed
+
+# torch first: lm_eval's dependencies would otherwise pull a CUDA build.
+$(EVAL_VENV)/.installed:
+	test -x $(EVAL_PY) || $(PYTHON) -m venv $(EVAL_VENV)
+	$(EVAL_PY) -m pip install -q --upgrade pip
+	$(EVAL_PY) -m pip install -q "$(TORCH_SPEC)"
+	$(EVAL_PY) -m pip install -q "$(LM_EVAL_SPEC)" "$(EVAL_TRANSFORMERS_SPEC)"
+	touch $@
+
+eval: eval-install
+	$(EVAL_PY) evals/run.py $(EVAL_ARGS)
+
+eval-standalone: model eval-install
+	VENV=$(VENV) scripts/with_serve.sh $(EVAL_PY) evals/run.py $(EVAL_ARGS)
