@@ -25,10 +25,12 @@ constexpr int kMaxRows = 8;  // kMaxRows * kBlocks accumulators + kBlocks weight
 // Longer dot products are summed in chunks of kChunk, each added to the output: a shorter FMA chain
 // (the error grows with its length), and the order oneDNN uses on these machines for K <= 1024.
 constexpr int64_t kChunk = 512;
-// The weight is read once per call, and the hardware prefetcher alone leaves the FMAs waiting on it:
-// each k step asks for the lines 64 steps (12 KB) ahead; past the end of the packed weight that is a
-// harmless hint (prefetches never fault).
-constexpr int64_t kPrefetchAhead = 64 * kGroupCols;
+// The weight is read once per call, and the hardware prefetcher alone leaves the FMAs waiting on it
+// (16 rows: ~9.5 ms instead of ~6): each k step asks for the lines 512 steps (96 KB) ahead into L2
+// and 32 steps ahead into L1. Past the end of the packed weight these are harmless hints
+// (prefetches never fault).
+constexpr int64_t kPrefetchL2Steps = 512;
+constexpr int64_t kPrefetchL1Steps = 32;
 
 __mmask16 lane_mask(int64_t valid) {
   if (valid <= 0) return 0;
@@ -49,8 +51,10 @@ void tile(const float* a, int64_t lda, const float* w, int64_t k_size, float* c,
   for (int64_t k = 0; k < k_size; ++k) {
     const float* wk = w + k * kGroupCols;
 #pragma GCC unroll 3
-    for (int j = 0; j < kBlocks; ++j)
-      _mm_prefetch(reinterpret_cast<const char*>(wk + kPrefetchAhead + j * kLanes), _MM_HINT_T0);
+    for (int j = 0; j < kBlocks; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(wk + kPrefetchL1Steps * kGroupCols + j * kLanes), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wk + kPrefetchL2Steps * kGroupCols + j * kLanes), _MM_HINT_T1);
+    }
     const __m512 w0 = _mm512_load_ps(wk);
     const __m512 w1 = _mm512_load_ps(wk + kLanes);
     const __m512 w2 = _mm512_load_ps(wk + 2 * kLanes);

@@ -1,0 +1,97 @@
+"""LM head benchmark: the AVX-512 kernel (`pegaserve/engine/lm_head.py`) against oneDNN's prepacked
+linear and a plain `torch.nn.functional.linear`, one thread, fp32, on the default model's head
+(151936 x 256), and the decode step of the engine at batch 16 with either head.
+
+Microbenchmark: each head called for M rows; best of `--repeats` calls after a warm-up. Each call allocates its output, as the
+engine's does (at 64 rows that is 39 MB, past glibc's mmap threshold: its page faults are part of
+the time, for every head). Decode steps: 16 requests prefilled, then steps of 16 decode rows, the
+head swapped between steps; the median step counts. A benchmark, not a test: it asserts nothing.
+
+Usage: ``python -m benchmarks.lm_head [--model DIR] [--repeats N] [--steps N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROW_COUNTS = (1, 8, 16, 32, 64)
+DECODE_BATCH = 16
+PROMPT_TOKENS = 16
+
+
+def timed_ms(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def microbenchmark(weight: torch.Tensor, repeats: int) -> None:
+    from pegaserve.engine.lm_head import CpuLogits  # noqa: PLC0415 - keep --help fast
+
+    start = time.perf_counter()
+    kernel = CpuLogits(weight)
+    print(f"kernel head built and packed in {time.perf_counter() - start:.2f} s (avx512: {kernel.uses_avx512})")
+    heads = {"kernel": kernel, "onednn": CpuLogits(weight, allow_avx512=False), "linear": lambda h: F.linear(h, weight)}
+    print(f"{'rows':>5} " + " ".join(f"{name + ' ms':>10}" for name in heads) + f" {'vs onednn':>10}")
+    for num_tokens in ROW_COUNTS:
+        hidden = torch.randn(num_tokens, weight.shape[1])
+        for head in heads.values():  # warm-up
+            head(hidden)
+        best = {name: min(timed_ms(lambda: head(hidden)) for _ in range(repeats)) for name, head in heads.items()}
+        speedup = best["onednn"] / best["kernel"]
+        print(f"{num_tokens:>5} " + " ".join(f"{best[name]:>10.2f}" for name in heads) + f" {speedup:>9.2f}x")
+
+
+def decode_steps(engine, num_steps: int) -> None:
+    from pegaserve.engine.lm_head import CpuLogits  # noqa: PLC0415
+    from pegaserve.engine.request import EngineRequest, SamplingParams  # noqa: PLC0415
+    from pegaserve.stop import StopPolicy  # noqa: PLC0415
+
+    model = engine.runner.model
+    weight = model.lm_head.weight
+    heads = {"kernel": CpuLogits(weight), "onednn": CpuLogits(weight, allow_avx512=False)}
+    policy = StopPolicy(2 * num_steps + 8, eos_token_ids=engine.model_config.eos_token_ids, ignore_eos=True)
+    generator = torch.Generator().manual_seed(0)
+    for i in range(DECODE_BATCH):
+        prompt = tuple(torch.randint(100, 150_000, (PROMPT_TOKENS,), generator=generator).tolist())
+        engine.add_request(EngineRequest(f"r{i}", prompt, SamplingParams(temperature=0.0), policy))
+    for _ in range(3):  # the prefill, then warm decode steps
+        engine.step()
+    times: dict[str, list[float]] = {name: [] for name in heads}
+    for _ in range(num_steps):
+        for name, head in heads.items():
+            model._cpu_logits = head  # the model keeps a head built from this same weight
+            start = time.perf_counter()
+            engine.step()
+            times[name].append((time.perf_counter() - start) * 1e3)
+    model._cpu_logits = heads["kernel"]
+    kernel_ms, onednn_ms = (statistics.median(times[name]) for name in heads)
+    print(f"decode step at batch {DECODE_BATCH}: kernel {kernel_ms:.2f} ms, onednn {onednn_ms:.2f} ms (medians of "
+          f"{num_steps}; {100 * (1 - kernel_ms / onednn_ms):.0f}% less)")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, default=Path("models/qwen3-tiny"), help="model directory")
+    parser.add_argument("--repeats", type=int, default=20, help="timed calls per head and row count")
+    parser.add_argument("--steps", type=int, default=30, help="decode steps timed per head")
+    args = parser.parse_args(argv)
+    from pegaserve.engine.build import load_engine  # noqa: PLC0415
+    from pegaserve.engine.config import EngineConfig  # noqa: PLC0415
+
+    torch.set_num_threads(1)
+    engine = load_engine(args.model, EngineConfig(num_blocks=512, max_num_seqs=DECODE_BATCH), "sdpa")
+    with torch.inference_mode():
+        microbenchmark(engine.runner.model.lm_head.weight.detach(), args.repeats)
+    decode_steps(engine, args.steps)
+
+
+if __name__ == "__main__":
+    main()
