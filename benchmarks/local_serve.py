@@ -57,6 +57,8 @@ class LocalServe:
         for key, value in SERVE_ENV.items():  # before Ray Serve is imported: it reads them once
             os.environ.setdefault(key, value)
         os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "1")  # deleting an app
+        os.environ.setdefault("RAY_SERVE_HAPROXY_METRICS_PORT", str(free_port()))  # beside a `make serve`
+        os.environ.setdefault("RAY_SERVE_HAPROXY_STATS_PORT", str(free_port()))
         import ray  # noqa: PLC0415 - keep `--help` and the transformers-only runs light
         from ray import serve  # noqa: PLC0415
 

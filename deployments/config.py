@@ -76,6 +76,8 @@ class AppArgs(BaseModel):
         "token and the finish are never held); more trades streaming granularity for throughput"
     )
     ledger_max_records: int = Field(10_000, ge=1)
+    ledger_orphan_timeout_s: float = Field(
+        30.0, ge=1, description="an ingress replica silent this long has died: its open records end as errors")
     ledger_journal: str | None = Field(
         "/tmp/pegaserve/ledger.jsonl", description="append-only journal of finished records; None: memory only"
     )

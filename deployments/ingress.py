@@ -34,7 +34,7 @@ class Ingress:
         self.inbox = TokenInbox()
         await self.inbox.start()
         buffer = ledger_buffer(self.args, self.name)
-        self._heartbeat = asyncio.ensure_future(buffer.heartbeat_forever())
+        self._heartbeat = asyncio.ensure_future(buffer.heartbeat_forever(self.args.ledger_orphan_timeout_s))
         ledger = ActorLedgerClient(buffer)
         if colocated is not None:
             engine = ColocatedClient(colocated, self.inbox, self.name, info.name, self.args.max_migrations, ledger,

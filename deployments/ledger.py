@@ -19,7 +19,6 @@ STATS_BOARD_NAME = "pegaserve-stats"
 NAMESPACE = "pegaserve"
 LEDGER_NAMESPACE = NAMESPACE
 FLUSH_PERIOD_S = 0.01
-ORPHAN_TIMEOUT_S = 30.0  # an ingress silent this long has died: its requests' records end as errors
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
@@ -29,25 +28,27 @@ class LedgerActor:
 
     def __init__(self, max_records: int = 10_000, journal: str | None = None) -> None:
         self.ledger = Ledger(max_records, journal)
-        self.heard_from: dict[str, float] = {}  # component -> when it last recorded or pinged
+        self.alive_until: dict[str, float] = {}  # an ingress -> when its silence means it died
 
     def record(self, batches: list[tuple[str, list[LedgerEvent]]]) -> None:
         now = time.time()
         for component, events in batches:
-            self.heard_from[component] = now
             self.ledger.record(events, component, now)
         self._end_orphans(now)
 
-    def heartbeat(self, component: str) -> None:
-        self.heard_from[component] = time.time()
-        self._end_orphans(time.time())
+    def heartbeat(self, component: str, timeout_s: float) -> None:
+        """`component` (an ingress replica) is alive; if silent for `timeout_s`, it is not, and the
+        records of requests it had in flight end as errors instead of staying open for good."""
+        now = time.time()
+        self.alive_until[component] = now + timeout_s
+        self._end_orphans(now)
 
     def _end_orphans(self, now: float) -> None:
-        silent = {c for c, t in self.heard_from.items() if now - t > ORPHAN_TIMEOUT_S}
+        silent = {c for c, until in self.alive_until.items() if until < now}
         if silent:
             self.ledger.end_orphans(silent, f"its ingress ({', '.join(sorted(silent))}) stopped answering")
             for component in silent:
-                del self.heard_from[component]
+                del self.alive_until[component]
 
     def get(self, request_id: str) -> dict | None:
         return self.ledger.get(request_id)
@@ -176,10 +177,11 @@ class LedgerBuffer:
                 if not waiter.done():
                     waiter.set_result(None)
 
-    async def heartbeat_forever(self, period_s: float = 5.0) -> None:
+    async def heartbeat_forever(self, timeout_s: float) -> None:
+        """Tell the ledger this ingress lives, a few times per `timeout_s`."""
         while True:
             try:
-                await self.actor.heartbeat.remote(self.component)
+                await self.actor.heartbeat.remote(self.component, timeout_s)
             except Exception:
                 log.warning("ledger heartbeat failed", exc_info=True)
-            await asyncio.sleep(period_s)
+            await asyncio.sleep(min(5.0, timeout_s / 3))

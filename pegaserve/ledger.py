@@ -243,6 +243,9 @@ def check_invariants(rec: _Record) -> list[str]:
         problems.append(f"usage prompt_tokens {fin.prompt_tokens} != arrived {rec.prompt_tokens}")
     if rec.first_token is not None and rec.committed_token_ids and rec.committed_token_ids[0] != rec.first_token[0]:
         problems.append("the first committed token is not prefill's first token")
+    for migration in rec.migrations:
+        if migration.num_tokens > len(rec.committed_token_ids):
+            problems.append(f"migrated after {migration.num_tokens} tokens but {len(rec.committed_token_ids)} committed")
     return problems
 
 

@@ -72,3 +72,27 @@ def test_the_clients_request_id_is_a_label_in_the_record_and_the_journal(tmp_pat
     assert [ledger.get(r)["client_request_id"] for r in ("cmpl-1", "cmpl-2")] == ["client-7", "client-7"]
     assert Ledger(journal=journal).get("cmpl-2")["client_request_id"] == "client-7"
     assert finish(ledger, "plain", (5,), Length())["client_request_id"] is None
+
+
+def test_records_left_open_by_a_vanished_ingress_end_as_errors():
+    ledger = Ledger()
+    ledger.record([Arrived("lost", 3, 16)], "app/Ingress#dead")
+    ledger.record([Arrived("kept", 3, 16)], "app/Ingress#alive")
+    assert ledger.end_orphans({"app/Ingress#dead"}, "its ingress stopped answering") == 1
+    lost, kept = ledger.get("lost"), ledger.get("kept")
+    assert lost["status"] == "error" and lost["violations"] == [] and lost["completion_tokens"] == 0
+    assert kept["status"] == "in_flight"
+    assert ledger.summary()["by_status"]["in_flight"] == 1
+    assert lost["stop_cause"]["kind"] == "error"
+
+
+def test_a_migration_after_more_tokens_than_committed_is_a_violation():
+    from pegaserve.ledger import Migrated
+
+    ledger = Ledger()
+    ledger.record([Arrived("m", 3, 16), Migrated("m", "app/Decode#1", 2, "ActorDiedError")], "ingress")
+    ledger.record([TokensCommitted("m", (5, 6, 7)), Finished("m", Length(), 3, 3)], "ingress")
+    assert ledger.get("m")["violations"] == [] and ledger.get("m")["migrations"][0]["num_tokens"] == 2
+    ledger.record([Arrived("bad", 3, 16), Migrated("bad", "app/Decode#1", 9, "ActorDiedError")], "ingress")
+    ledger.record([TokensCommitted("bad", (5,)), Finished("bad", Length(), 3, 1)], "ingress")
+    assert ledger.get("bad")["violations"]

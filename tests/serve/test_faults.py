@@ -174,3 +174,27 @@ def test_ledger_killed_restarts_from_its_journal_and_requests_complete(url):
     during = httpx.get(f"{url}/admin/ledger/{request_id_of(lines)}", timeout=60).json()
     assert during["status"] == "finished" and during["completion_tokens"] == 200
     assert httpx.get(f"{url}/admin/ledger", timeout=60).json()["invariant_violations"] == 0
+
+
+def test_an_ingress_that_dies_leaves_no_record_open(url):
+    orphan = deploy("orphan", {"transport": "gloo", "engine": {"num_blocks": 256}, "ledger_orphan_timeout_s": 3})
+    killed, on_chunk = kill_at_chunk("orphan", "Ingress", 3)
+    try:
+        lines = stream_lines(orphan, LONG, on_chunk=on_chunk)
+    except httpx.HTTPError:
+        lines = None  # the connection died with the ingress
+    assert killed.is_set()
+    wait_healthy(orphan)  # Serve started another ingress
+    request_id = request_id_of(lines) if lines else None
+    deadline = time.monotonic() + 60
+    summary = {}
+    while time.monotonic() < deadline:
+        summary = httpx.get(f"{orphan}/admin/ledger", timeout=30).json()
+        if summary["by_status"]["in_flight"] == 0:
+            break
+        time.sleep(1)
+    assert summary["by_status"]["in_flight"] == 0 and summary["invariant_violations"] == 0
+    if request_id is not None:
+        assert httpx.get(f"{orphan}/admin/ledger/{request_id}").json()["status"] == "error"
+    wait_for_idle_pools(orphan, replicas=2, timeout_s=60)  # its decode stopped when its ingress vanished
+    serve.delete("orphan")
