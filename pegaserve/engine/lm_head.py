@@ -1,16 +1,18 @@
 """The LM head on the CPU: logits = hidden @ weight.T in fp32, with the weight packed once.
 
-The head (vocab x hidden, ~150k rows) is most of a small model's decode step, and it is bound by
-FMAs, not by streaming the weight: at 16 rows a plain `W.sum()` reads the 155 MB in ~5 ms while
-16 x 151936 x 256 FMAs need ~6.5 ms. oneDNN's prepacked linear takes ~11 ms there, a plain
-`linear` (which repacks the weight on every call) ~30 ms. `csrc/lm_head.cpp` is an AVX-512 kernel
-that streams a packed copy once per call and keeps a tile of 8 rows x 48 vocab entries in
-registers; it runs close to the FMA floor.
+The head (vocab x hidden, ~150k rows) is most of a small model's decode step. At 16 rows of the
+default model it is bound by FMAs more than by memory: a plain `W.sum()` streams the 155 MB in
+~4.5 ms, the 16 x 151936 x 256 FMAs need ~5.5 ms at this CPU's in-cache AVX-512 rate. oneDNN's
+prepacked linear takes ~10 ms there, a plain `linear` (which repacks the weight on every call)
+~30 ms. `csrc/lm_head.cpp` streams a packed copy of the weight once per call, prefetched, with a
+tile of 8 rows x 48 vocab entries in registers: ~6-8 ms at 16 rows (noisy neighbours), 1.2-1.5x
+oneDNN from 8 to 32 rows, the same at one row (`python -m benchmarks.lm_head`). Its dot products
+are bit-identical to oneDNN's on these machines for hidden sizes up to 1024.
 
-The kernel is plain C (no torch headers, no ninja): it is compiled with the system C++ compiler
-on first use, in about a second, into `~/.cache/pegaserve/lm_head/<hash>/`, and called through
-ctypes (which releases the GIL). Where the CPU lacks AVX-512 or the build fails (logged once),
-the head falls back to oneDNN's prepacked linear, and to a plain `linear` without oneDNN.
+The kernel is plain C ABI (no torch headers, no ninja): it is compiled with the system C++
+compiler on first use, in about a second, into `~/.cache/pegaserve/lm_head/<hash>/`, and called
+through ctypes (which releases the GIL). Where the CPU lacks AVX-512 or the build fails (logged
+once), the head falls back to oneDNN's prepacked linear, and to a plain `linear` without oneDNN.
 
 Threads: the kernel splits the vocab over `torch.get_num_threads()` threads, started per call
 (the engine runs with one).
@@ -36,7 +38,6 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "lm_head.cpp"
 CXX_FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-std=c++17", "-shared", "-fPIC", "-pthread")
-BUILD_ROOT = Path.home() / ".cache" / "pegaserve" / "lm_head"
 BUILD_TIMEOUT_S = 120.0
 _ALIGNMENT_BYTES = 64  # the kernel's aligned loads of the packed weight
 
@@ -47,8 +48,8 @@ class CpuLogits:
     """logits[M, N] = hidden[M, K] @ weight[N, K].T, fp32 on the CPU, for any number of rows M.
 
     Built once per weight (the packed copy costs as much memory as the weight); `weight` is the
-    tensor it was built from, so that its owner can tell when the weight was replaced. The result
-    does not track gradients. `allow_avx512=False` forces the oneDNN fallback.
+    tensor it was built from, so that its owner can tell when the weight was replaced. The kernel's
+    result does not track gradients. `allow_avx512=False` forces the oneDNN fallback.
     """
 
     def __init__(self, weight: torch.Tensor, *, allow_avx512: bool = True) -> None:
@@ -56,7 +57,7 @@ class CpuLogits:
             raise ValueError(f"CpuLogits needs a 2-D fp32 CPU weight, got {weight.dtype} {tuple(weight.shape)} "
                              f"on {weight.device}")  # fmt: skip
         self.weight = weight
-        self.num_rows, self.hidden_size = weight.shape  # N (vocab), K
+        self.vocab_size, self.hidden_size = weight.shape  # N, K
         self._kernel = _load_kernel() if allow_avx512 else None
         if self._kernel is not None:
             self._packed = _pack(weight.detach(), self._kernel.pegaserve_lm_head_group_cols())
@@ -82,10 +83,10 @@ class CpuLogits:
             return F.linear(hidden, self._packed)
         hidden = hidden.detach().to(device="cpu", dtype=torch.float32).contiguous()
         num_tokens = hidden.shape[0]
-        logits = torch.empty(num_tokens, self.num_rows, dtype=torch.float32)
+        logits = torch.empty(num_tokens, self.vocab_size, dtype=torch.float32)
         if num_tokens:
             self._kernel.pegaserve_lm_head(
-                hidden.data_ptr(), num_tokens, self.hidden_size, self._packed.data_ptr(), self.num_rows,
+                hidden.data_ptr(), num_tokens, self.hidden_size, self._packed.data_ptr(), self.vocab_size,
                 logits.data_ptr(), torch.get_num_threads(),
             )  # fmt: skip
         return logits
@@ -98,8 +99,8 @@ def lm_head_reference(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tenso
 
 def _pack(weight: torch.Tensor, group_cols: int) -> torch.Tensor:
     """[N, K] -> [ceil(N / group_cols), K, group_cols]: each group's K steps contiguous, zeros past N."""
-    num_rows, hidden_size = weight.shape
-    num_full, tail = divmod(num_rows, group_cols)
+    vocab_size, hidden_size = weight.shape
+    num_full, tail = divmod(vocab_size, group_cols)
     packed = torch.zeros(num_full + (tail > 0), hidden_size, group_cols, dtype=torch.float32)
     full = weight[: num_full * group_cols].view(num_full, group_cols, hidden_size)  # [groups, cols, K]
     packed[:num_full].copy_(full.transpose(1, 2))
@@ -137,8 +138,9 @@ def _load_kernel() -> ctypes.CDLL | None:
     return library
 
 
-def _build() -> Path:
-    """The shared library for SOURCE, compiled unless a build of the same source and flags exists.
+def _build(build_root: Path | None = None) -> Path:
+    """The shared library for SOURCE, compiled unless a build of the same source and flags exists
+    under `build_root` (default ~/.cache/pegaserve/lm_head).
 
     Each build writes a private file and renames it into place, so that processes starting
     together (engine cores, test workers) never load a half-written library.
@@ -148,7 +150,8 @@ def _build() -> Path:
         raise RuntimeError("no C++ compiler (c++, g++ or clang++) on PATH")
     source = SOURCE.read_bytes()
     key = b"\0".join([source, compiler.encode(), platform.machine().encode(), *map(str.encode, CXX_FLAGS)])
-    target = BUILD_ROOT / hashlib.sha256(key).hexdigest()[:16] / "lm_head.so"
+    build_root = build_root or Path.home() / ".cache" / "pegaserve" / "lm_head"
+    target = build_root / hashlib.sha256(key).hexdigest()[:16] / "lm_head.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

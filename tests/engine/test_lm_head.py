@@ -113,14 +113,12 @@ def test_wrong_hidden_size_and_unsupported_weight_raise():
 
 
 @needs_avx512
-def test_builds_from_scratch(tmp_path: Path, monkeypatch):
-    monkeypatch.setattr(lm_head, "BUILD_ROOT", tmp_path)
-
-    built = lm_head._build()
+def test_builds_from_scratch(tmp_path: Path):
+    built = lm_head._build(tmp_path)
 
     assert built.is_file() and built.parent.parent == tmp_path
     assert [p.name for p in built.parent.iterdir()] == ["lm_head.so"]  # no partial file left behind
-    assert lm_head._build() == built  # the second call reuses it
+    assert lm_head._build(tmp_path) == built  # the second call reuses it
 
 
 def test_failed_build_falls_back_to_onednn(monkeypatch, caplog):
