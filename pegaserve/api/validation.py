@@ -5,6 +5,7 @@ the parameter."""
 from __future__ import annotations
 
 import math
+import secrets
 from dataclasses import dataclass
 
 from pegaserve.api.choice import StopStrings
@@ -194,7 +195,9 @@ def _sampling(body: SamplingFields, num_top_logprobs: int, model: ModelInfo, lim
         temperature=0.0 if body.temperature < GREEDY_BELOW else body.temperature,
         top_p=body.top_p,
         top_k=min(max(body.top_k, 0), model.vocab_size),
-        seed=body.seed,
+        # an unseeded request gets its seed here, so a resume on another replica draws exactly the
+        # tokens the first one would have (the sampler is keyed by seed and position)
+        seed=secrets.randbits(62) if body.seed is None else body.seed,
         num_top_logprobs=num_top_logprobs,
         min_p=body.min_p,
         presence_penalty=body.presence_penalty,
