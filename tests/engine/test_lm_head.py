@@ -53,6 +53,16 @@ def test_kernel_is_as_exact_as_onednn(num_rows, hidden_size, num_tokens):
     assert kernel_error < 4 * hidden_size**0.5 * 2.0**-24  # a random-walk bound on fp32 rounding
 
 
+@needs_avx512
+@pytest.mark.parametrize("num_rows, hidden_size", [(5, 1), (49, 3), (97, 600), (48, 512)])
+@pytest.mark.parametrize("num_tokens", [1, 9])
+def test_kernel_odd_shapes(num_rows, hidden_size, num_tokens):
+    """Less than one group of vocab, one past it, a hidden size past one chunk (512), exact fits."""
+    weight, hidden = _weight_and_hidden(num_rows, hidden_size, num_tokens)
+    logits = CpuLogits(weight)(hidden)
+    torch.testing.assert_close(logits.double(), lm_head_reference(hidden, weight), rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("num_rows, hidden_size", SHAPES)
 @pytest.mark.parametrize("num_tokens", [1, 17])
 def test_fallback_matches_reference(num_rows, hidden_size, num_tokens):

@@ -26,11 +26,13 @@ constexpr int kMaxRows = 8;  // kMaxRows * kBlocks accumulators + kBlocks weight
 // (the error grows with its length), and the order oneDNN uses on these machines for K <= 1024.
 constexpr int64_t kChunk = 512;
 // The weight is read once per call, and the hardware prefetcher alone leaves the FMAs waiting on it
-// (16 rows: ~9.5 ms instead of ~6): each k step asks for the lines 512 steps (96 KB) ahead into L2
-// and 32 steps ahead into L1. Past the end of the packed weight these are harmless hints
-// (prefetches never fault).
-constexpr int64_t kPrefetchL2Steps = 512;
+// (16 rows: ~10 ms instead of ~7). Each k step asks for the lines kPrefetchL1Steps ahead into L1;
+// and the tiles of a group, together, ask for the group ~kPrefetchL2Bytes ahead into L2, each tile
+// its own slice of it spread over its k steps, so that DRAM stays busy while the later tiles of
+// a group compute on what is already in cache. Prefetches past the end of the packed weight are
+// harmless hints (they never fault).
 constexpr int64_t kPrefetchL1Steps = 32;
+constexpr int64_t kPrefetchL2Bytes = 96 * 1024;
 
 __mmask16 lane_mask(int64_t valid) {
   if (valid <= 0) return 0;
@@ -38,10 +40,13 @@ __mmask16 lane_mask(int64_t valid) {
   return static_cast<__mmask16>((1u << valid) - 1u);
 }
 
+// One tile: out[0:MT, 0:kGroupCols] (+)= a[0:MT, 0:k_size] @ w[0:k_size, 0:kGroupCols]. `ahead` is
+// this tile's slice of the group to prefetch, one k step of it every `ahead_every` k steps.
 template <int MT>
 void tile(const float* a, int64_t lda, const float* w, int64_t k_size, float* c, int64_t ldc, int64_t valid_cols,
-          bool accumulate) {
+          bool accumulate, const float* ahead, int64_t ahead_every) {
   __m512 acc[MT][kBlocks];
+  int64_t countdown = 1;
 #pragma GCC unroll 8
   for (int i = 0; i < MT; ++i)
 #pragma GCC unroll 3
@@ -51,9 +56,14 @@ void tile(const float* a, int64_t lda, const float* w, int64_t k_size, float* c,
   for (int64_t k = 0; k < k_size; ++k) {
     const float* wk = w + k * kGroupCols;
 #pragma GCC unroll 3
-    for (int j = 0; j < kBlocks; ++j) {
+    for (int j = 0; j < kBlocks; ++j)
       _mm_prefetch(reinterpret_cast<const char*>(wk + kPrefetchL1Steps * kGroupCols + j * kLanes), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(wk + kPrefetchL2Steps * kGroupCols + j * kLanes), _MM_HINT_T1);
+    if (--countdown == 0) {
+      countdown = ahead_every;
+#pragma GCC unroll 3
+      for (int j = 0; j < kBlocks; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + j * kLanes), _MM_HINT_T1);
+      ahead += kGroupCols;
     }
     const __m512 w0 = _mm512_load_ps(wk);
     const __m512 w1 = _mm512_load_ps(wk + kLanes);
@@ -88,20 +98,28 @@ void tile(const float* a, int64_t lda, const float* w, int64_t k_size, float* c,
   }
 }
 
-using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, bool);
+using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, bool, const float*,
+                        int64_t);
 constexpr TileFn kTiles[kMaxRows + 1] = {nullptr,  tile<1>, tile<2>, tile<3>, tile<4>,
                                          tile<5>,  tile<6>, tile<7>, tile<8>};
 
 void run_groups(const float* hidden, int64_t m, int64_t k, const float* packed, int64_t n, float* out,
                 int64_t group_begin, int64_t group_end) {
+  const int64_t group_floats = k * kGroupCols;
+  const int64_t groups_ahead = std::max<int64_t>(1, kPrefetchL2Bytes / (group_floats * 4));
+  const int64_t tiles_per_group = (m + kMaxRows - 1) / kMaxRows * ((k + kChunk - 1) / kChunk);
   for (int64_t g = group_begin; g < group_end; ++g) {
-    const float* w = packed + g * k * kGroupCols;
+    const float* w = packed + g * group_floats;
     const int64_t col = g * kGroupCols;
+    const float* ahead = w + groups_ahead * group_floats;
     for (int64_t row = 0; row < m; row += kMaxRows) {
       const int64_t rows = std::min<int64_t>(kMaxRows, m - row);
-      for (int64_t k0 = 0; k0 < k; k0 += kChunk)
-        kTiles[rows](hidden + row * k + k0, k, w + k0 * kGroupCols, std::min(kChunk, k - k0), out + row * n + col, n,
-                     n - col, k0 > 0);
+      for (int64_t k0 = 0; k0 < k; k0 += kChunk) {
+        const int64_t k_size = std::min(kChunk, k - k0);
+        kTiles[rows](hidden + row * k + k0, k, w + k0 * kGroupCols, k_size, out + row * n + col, n, n - col, k0 > 0,
+                     ahead, tiles_per_group);
+        ahead += (k_size + tiles_per_group - 1) / tiles_per_group * kGroupCols;
+      }
     }
   }
 }
