@@ -4,10 +4,12 @@ The head (vocab x hidden, ~150k rows) is most of a small model's decode step. At
 default model it is bound by FMAs more than by memory: a plain `W.sum()` streams the 155 MB in
 ~4.5 ms, the 16 x 151936 x 256 FMAs need ~5.5 ms at this CPU's in-cache AVX-512 rate. oneDNN's
 prepacked linear takes ~10 ms there, a plain `linear` (which repacks the weight on every call)
-~30 ms. `csrc/lm_head.cpp` streams a packed copy of the weight once per call, prefetched, with a
-tile of 8 rows x 48 vocab entries in registers: ~6-8 ms at 16 rows (noisy neighbours), 1.2-1.5x
-oneDNN from 8 to 32 rows, the same at one row (`python -m benchmarks.lm_head`). Its dot products
-are bit-identical to oneDNN's on these machines for hidden sizes up to 1024.
+~30 ms. `csrc/lm_head.cpp` streams a packed copy of the weight (on huge pages) once per call,
+prefetched, with a tile of 8 rows x 48 vocab entries in registers. On the dev machine, one thread
+(`python -m benchmarks.lm_head`; a shared machine, so +-15%): ~6 ms at 16 rows against oneDNN's
+~11, 1.5-1.8x oneDNN from 8 to 64 rows, ~1.15x at one row (both near the memory stream there);
+the batch-16 decode step of the default model ~14.5 ms instead of ~19. Its dot products are
+bit-identical to oneDNN's on these machines for hidden sizes up to 1024.
 
 The kernel is plain C ABI (no torch headers, no ninja): it is compiled with the system C++
 compiler on first use, in about a second, into `~/.cache/pegaserve/lm_head/<hash>/`, and called
