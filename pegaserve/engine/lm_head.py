@@ -63,8 +63,8 @@ class CpuLogits:
 
     def __init__(self, weight: torch.Tensor, *, allow_avx512: bool = True) -> None:
         if not self.supports(weight):
-            raise ValueError(f"CpuLogits needs a 2-D fp32 CPU weight, got {weight.dtype} {tuple(weight.shape)} "
-                             f"on {weight.device}")  # fmt: skip
+            found = f"{weight.dtype} {tuple(weight.shape)} on {weight.device}"
+            raise ValueError(f"CpuLogits needs a 2-D fp32 CPU weight [N, K > 0], got {found}")
         self.weight = weight
         self.vocab_size, self.hidden_size = weight.shape  # N, K
         self._kernel = _load_kernel() if allow_avx512 else None
@@ -77,7 +77,8 @@ class CpuLogits:
 
     @staticmethod
     def supports(weight: torch.Tensor) -> bool:
-        return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+        cpu_fp32 = weight.device.type == "cpu" and weight.dtype == torch.float32
+        return cpu_fp32 and weight.dim() == 2 and weight.shape[1] > 0
 
     @property
     def uses_avx512(self) -> bool:

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -131,7 +132,7 @@ extern "C" {
 int pegaserve_lm_head_group_cols() { return kGroupCols; }
 
 // hidden: [m, k] row-major; packed: [ceil(n / group_cols), k, group_cols], 64-byte aligned;
-// out: [m, n] row-major. Groups are split evenly over num_threads threads (the caller's included).
+// out: [m, n] row-major; k > 0. Groups are split evenly over num_threads threads (the caller's included).
 void pegaserve_lm_head(const float* hidden, int64_t m, int64_t k, const float* packed, int64_t n, float* out,
                        int64_t num_threads) {
   const int64_t num_groups = (n + kGroupCols - 1) / kGroupCols;
@@ -142,10 +143,15 @@ void pegaserve_lm_head(const float* hidden, int64_t m, int64_t k, const float* p
   }
   std::vector<std::thread> threads;
   threads.reserve(workers - 1);
-  for (int64_t t = 1; t < workers; ++t)
-    threads.emplace_back(run_groups, hidden, m, k, packed, n, out, num_groups * t / workers,
-                         num_groups * (t + 1) / workers);
+  int64_t started = 1;
+  try {
+    for (; started < workers; ++started)
+      threads.emplace_back(run_groups, hidden, m, k, packed, n, out, num_groups * started / workers,
+                           num_groups * (started + 1) / workers);
+  } catch (const std::system_error&) {  // no thread to be had: this one does their share
+  }
   run_groups(hidden, m, k, packed, n, out, 0, num_groups / workers);
+  run_groups(hidden, m, k, packed, n, out, num_groups * started / workers, num_groups);
   for (auto& thread : threads) thread.join();
 }
 
