@@ -37,7 +37,7 @@ class Decode(EngineServer):
         target = await self.engine.receive(handoff)
         if target is None:
             return self._fell_back(handoff, "no free blocks to import")
-        transfer = await self.receiver.fetch(lease, target)
+        transfer = await self.receiver.fetch(lease, target, tuple(handoff.choice_ids))
         await self.engine.received(request_id, transfer.ok)
         if not transfer.ok:
             return self._fell_back(handoff, transfer.reason)

@@ -44,10 +44,12 @@ class PairOffer:
 
 @dataclass(frozen=True)
 class Fetch:
-    """Send the prompt's blocks from `first_block` on (decode has the ones before in its cache)."""
+    """Send the prompt's blocks from `first_block` on (decode has the ones before in its cache) for
+    the choices `choice_ids` (the ledger's keys: the request id itself when it has one choice)."""
 
     request_id: str
     first_block: int
+    choice_ids: tuple[str, ...]
 
 
 @dataclass(frozen=True)

@@ -51,14 +51,14 @@ class KvReceiver:
     _locks: dict[Address, asyncio.Lock] = field(default_factory=lambda: defaultdict(asyncio.Lock))
     _generation: int = 0
 
-    async def fetch(self, lease: Lease, target: ReceiveTarget) -> Transfer:
-        """The prompt's missing blocks into `target`. Never raises: a failure is a `Transfer` that
+    async def fetch(self, lease: Lease, target: ReceiveTarget, choice_ids: tuple[str, ...]) -> Transfer:
+        """The prompt's missing blocks into `target`, for the choices `choice_ids`. Never raises: a failure is a `Transfer` that
         is not ok (decode recomputes), and the transfer itself is not cancelled half way."""
         start = time.perf_counter()
         if not target.block_ids:  # every block of the prompt was already in this replica's cache
             return Transfer(True, seconds=time.perf_counter() - start)
         try:
-            kv_bytes = await asyncio.wait_for(self._fetch(lease, target), self.timeout_s)
+            kv_bytes = await asyncio.wait_for(self._fetch(lease, target, choice_ids), self.timeout_s)
         except Exception as exc:
             log.warning("KV fetch of %s failed (%s: %s); recomputing", lease.request_id, type(exc).__name__, exc)
             return Transfer(False, f"transfer failed: {type(exc).__name__}")
@@ -66,7 +66,7 @@ class KvReceiver:
             return Transfer(False, "lease expired or unknown")
         return Transfer(True, kv_bytes=kv_bytes, seconds=time.perf_counter() - start)
 
-    async def _fetch(self, lease: Lease, target: ReceiveTarget) -> int | None:
+    async def _fetch(self, lease: Lease, target: ReceiveTarget, choice_ids: tuple[str, ...]) -> int | None:
         shape = lease.shape_from(target.first_block)
         if self.transport == "object_store" and lease.kv_ref is None:
             return None  # the lease expired before prefill could put the KV in the store
@@ -75,16 +75,16 @@ class KvReceiver:
             packed = kv_from_bytes(data, lease.kv_dtype, lease.kv_shape)[:, :, target.first_block :]
         else:
             async with self._locks[lease.address]:  # one transfer per pair at a time
-                packed = await self._pull(lease, target.first_block, shape)
+                packed = await self._pull(lease, Fetch(lease.request_id, target.first_block, choice_ids), shape)
             if packed is None:
                 return None
         await asyncio.to_thread(unpack_blocks, self.engine.kv_cache, target.block_ids, packed)
         return packed.numel() * packed.element_size()
 
-    async def _pull(self, lease: Lease, first_block: int, shape: tuple[int, ...]) -> torch.Tensor | None:
+    async def _pull(self, lease: Lease, fetch: Fetch, shape: tuple[int, ...]) -> torch.Tensor | None:
         peer = await self._peer(lease)
         try:
-            peer.connection.send(Fetch(lease.request_id, first_block))
+            peer.connection.send(fetch)
             reply = await peer.connection.recv()
             if not isinstance(reply, FetchReply):
                 raise ConnectionError("the prefill replica closed the connection")

@@ -123,8 +123,9 @@ class KvSender:
             self.engine.release(fetch.request_id)  # decode recomputes
             return False
         self.engine.release(fetch.request_id)  # the matching recv is decode's acknowledgement
-        self.ledger.record([KvSent(fetch.request_id, self.transport, kv_bytes, time.perf_counter() - start,
-                                   self.name, connection.peer)])
+        seconds = time.perf_counter() - start
+        self.ledger.record([KvSent(c, self.transport, kv_bytes, seconds, self.name, connection.peer)
+                            for c in fetch.choice_ids])
         return True
 
     async def _release(self, request_id: str) -> None:

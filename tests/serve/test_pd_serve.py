@@ -90,6 +90,20 @@ def test_pd_greedy_equals_transformers_over_gloo(gloo_url, reference_tokens):
         assert handoff["transport"] == "gloo" and handoff["fallback"] is None and handoff["kv_bytes"] > 0
 
 
+def test_n_choices_share_one_handoff_recorded_per_choice(gloo_url):
+    """The KV of n choices moves once, and every event of it lands in each choice's record: none
+    under the request's own id, which would stay open in the ledger for good."""
+    prompt = list(range(5000, 5040))  # in no decode replica's prefix cache: its KV must move
+    body = {"prompt": prompt, "max_tokens": 6, "temperature": 1.0, "seed": 3, "ignore_eos": True, "n": 2}
+    response = httpx.post(f"{gloo_url}/v1/completions", json=body, timeout=60).json()
+    record = httpx.get(f"{gloo_url}/admin/ledger/{response['id']}").json()
+    assert record["status"] == "finished" and len(record["choices"]) == 2, record
+    for choice in record["choices"]:
+        handoff = choice["handoff"]
+        assert handoff["prefill_replica"] is not None and handoff["kv_bytes"] > 0 and handoff["fallback"] is None
+        assert choice["violations"] == []
+
+
 def test_object_store_transport_gives_the_same_tokens(ray_serve, reference_tokens):
     url = deploy("objstore", {"transport": "object_store", "engine": {"num_blocks": 256}})
     for prompt, expected in zip(PROMPTS[:4], reference_tokens[:4]):
