@@ -55,10 +55,12 @@ loadtest:
 		-u $(LOADTEST_USERS) -r $(LOADTEST_USERS) -t $(LOADTEST_SECONDS)s --stop-timeout 30 \
 		--csv loadtests/reports/loadtest --html loadtests/reports/loadtest.html --only-summary --exit-code-on-error 1
 
-# 10 minutes at concurrency 32 of mixed traffic against a fresh `serve run configs/cluster.yaml`.
+# 10 minutes at concurrency 32 of mixed traffic against a fresh `serve run configs/cluster.yaml`,
+# then the cancellation stress test of `make test` at length (2000 cancellations, up to 10 minutes).
 SOAK_MINUTES ?= 10
 soak: model
 	VENV=$(VENV) scripts/with_serve.sh $(PY) -m loadtests.soak --concurrency 32 --minutes $(SOAK_MINUTES)
+	STRESS_CANCELS=2000 STRESS_SECONDS=600 $(PY) -m pytest -q -p no:cacheprovider tests/serve/test_stress.py
 
 # Throughput/latency of P/D and colocated over HTTP against transformers generate (about 3-5 minutes;
 # starts and stops its own Ray + Serve on 127.0.0.1) -> docs/bench/RESULTS.md + PNG plots.
@@ -72,6 +74,15 @@ bench: model
 .PHONY: bench-kv
 bench-kv: model
 	$(PY) -m benchmarks.kv
+
+# Decode ITL while long prompts arrive, P/D against colocated (about 3 minutes) -> docs/bench/INTERFERENCE.md.
+.PHONY: bench-interference bench-spec
+bench-interference: model
+	$(PY) -m benchmarks.interference
+
+# n-gram speculative decoding on and off, the engine alone (about 2 minutes) -> docs/bench/SPECULATIVE.md.
+bench-spec: model
+	$(PY) -m benchmarks.speculative
 
 # pegaserve (P/D and colocated) beside vLLM's CPU build, all measured by one client (`vllm bench
 # serve`), one system at a time on 127.0.0.1 -> docs/bench/PEERS.md, peers.json, peers.png. vLLM lives
