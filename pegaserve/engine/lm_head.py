@@ -11,10 +11,9 @@ prefetched, with a tile of 8 rows x 48 vocab entries in registers. On the dev ma
 the batch-16 decode step of the default model ~14.5 ms instead of ~19. Its dot products are
 bit-identical to oneDNN's on these machines for hidden sizes up to 1024.
 
-The kernel is plain C ABI (no torch headers, no ninja): it is compiled with the system C++
-compiler on first use, in about a second, into `~/.cache/pegaserve/lm_head/<hash>/`, and called
-through ctypes (which releases the GIL). Where the CPU lacks AVX-512 or the build fails (logged
-once), the head falls back to oneDNN's prepacked linear, and to a plain `linear` without oneDNN.
+The kernel is built and loaded as the engine's other CPU kernels are (`cpu_kernels.py`). Where
+the CPU lacks AVX-512 or the build fails (logged once), the head falls back to oneDNN's prepacked
+linear, and to a plain `linear` without oneDNN.
 
 Threads: the kernel splits the vocab over `torch.get_num_threads()` threads, started per call
 (the engine runs with one).
@@ -24,25 +23,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
 import sys
-import tempfile
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-log = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("csrc") / "lm_head.cpp"
-CXX_FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-std=c++17", "-shared", "-fPIC", "-pthread")
-BUILD_TIMEOUT_S = 120.0
+from pegaserve.engine import cpu_kernels
 _ALIGNMENT_BYTES = 64  # the kernel's aligned loads of the packed weight
 _HUGE_PAGE_BYTES = 2 << 20
 _MADV_HUGEPAGE = 14  # Linux's
@@ -154,61 +141,15 @@ def _madvise() -> Callable[[int, int, int], int] | None:
     return madvise
 
 
-def has_avx512() -> bool:
-    """Whether this CPU runs the kernel's instructions (AVX-512 F/BW/VL and FMA), from cpuinfo."""
-    capabilities = getattr(torch.cpu, "get_capabilities", None)
-    if capabilities is None:  # torch < 2.9: its dispatch level needs F/BW/VL/DQ
-        return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-    found = capabilities()
-    return all(found.get(flag, False) for flag in ("avx512_f", "avx512_bw", "avx512_vl", "fma3"))
-
-
 @functools.cache
 def _load_kernel() -> ctypes.CDLL | None:
-    """The compiled kernel, built on first use per process; None, logged once, where it cannot run."""
-    if not has_avx512():
-        log.info("LM head: this CPU lacks AVX-512; using oneDNN's linear")
-        return None
-    try:
-        library = ctypes.CDLL(str(_build()))
-    except (OSError, subprocess.SubprocessError, RuntimeError) as error:
-        log.warning("LM head: the AVX-512 kernel did not build (%s); using oneDNN's linear", error)
-        return None
-    library.pegaserve_lm_head_group_cols.restype = ctypes.c_int
-    library.pegaserve_lm_head_group_cols.argtypes = []
-    library.pegaserve_lm_head.restype = None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    library.pegaserve_lm_head.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64]
-    return library
+    """The compiled kernel (`cpu_kernels`), loaded once per process; None where it cannot run."""
 
+    def declare(library: ctypes.CDLL) -> None:
+        library.pegaserve_lm_head_group_cols.restype = ctypes.c_int
+        library.pegaserve_lm_head_group_cols.argtypes = []
+        library.pegaserve_lm_head.restype = None
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        library.pegaserve_lm_head.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64]
 
-def _build(build_root: Path | None = None) -> Path:
-    """The shared library for SOURCE, compiled unless a build of the same source and flags exists
-    under `build_root` (default ~/.cache/pegaserve/lm_head).
-
-    Each build writes a private file and renames it into place, so that processes starting
-    together (engine cores, test workers) never load a half-written library.
-    """
-    compiler = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
-    if compiler is None:
-        raise RuntimeError("no C++ compiler (c++, g++ or clang++) on PATH")
-    source = SOURCE.read_bytes()
-    key = b"\0".join([source, compiler.encode(), platform.machine().encode(), *map(str.encode, CXX_FLAGS)])
-    build_root = build_root or Path.home() / ".cache" / "pegaserve" / "lm_head"
-    target = build_root / hashlib.sha256(key).hexdigest()[:16] / "lm_head.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        done = subprocess.run(
-            [compiler, *CXX_FLAGS, str(SOURCE), "-o", partial], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"{compiler} exited {done.returncode}: {done.stderr.strip()[-2000:]}")
-        os.replace(partial, target)
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
-    return target
+    return cpu_kernels.load("lm_head", "LM head", "oneDNN's linear", declare)

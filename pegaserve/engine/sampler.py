@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pegaserve.engine import vocab_passes
 from pegaserve.engine.request import SampledToken, SamplingParams
 
 _ARGMAX_CHUNK = 1024
@@ -84,8 +85,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledTok
     logits = logits.contiguous()
     num_rows = logits.shape[0]
     plan = _Plan.of(rows, logits.shape[1])
-    raw_argmax = argmax_rows(logits)  # [num_rows]
-    raw_max = logits.gather(1, raw_argmax[:, None])  # [num_rows, 1]
+    raw_max, raw_argmax = max_argmax_rows(logits)  # [num_rows, 1], [num_rows]
     raw_masses = _cell_masses(logits, _finite(raw_max))  # [num_rows, num_cells]: temperature 1
     normalizers = _normalizers(raw_masses, raw_max)  # [num_rows]
     token_ids = raw_argmax.clone()  # greedy rows without processing keep theirs
@@ -342,6 +342,9 @@ def _top_p_bound(
     tokens are sorted."""
     num_rows = shift.shape[0]
     bounded = lower if bool((lower > float("-inf")).any()) else None  # top-k came first
+    found = vocab_passes.top_p_bound(source, row_ids, shift, scale, bounded, top_p, _FLOOR, _TOP_P_BUCKETS)
+    if found is not None:
+        return torch.maximum(found, lower)
     boundary, before, target = _top_p_bucket(source, row_ids, shift, scale, bounded, top_p)
     r, values = _bucket_tokens(source, row_ids, shift, scale, bounded, boundary)
     if not len(values):
@@ -497,10 +500,22 @@ def _mix64(x: int) -> int:
 # --- passes over the vocabulary ------------------------------------------------------------------------
 
 
+def max_argmax_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's max (`[rows, 1]`) and `torch.argmax` (`[rows]`) of `[rows, vocab]` logits."""
+    found = vocab_passes.max_argmax(logits)
+    if found is not None:
+        return found
+    argmax = argmax_rows(logits)
+    return logits.gather(1, argmax[:, None]), argmax
+
+
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """`torch.argmax(logits, -1)` for `[rows, vocab]` (the first index of each row's max), faster on
-    the CPU, where argmax is a scalar loop but amax is vectorized: amax finds each row's best chunk,
-    argmax runs only inside it."""
+    the CPU: one sweep of the kernel per row where it runs; else amax, vectorized where argmax is a
+    scalar loop, finds each row's best chunk, and argmax runs only inside it."""
+    found = vocab_passes.max_argmax(logits)
+    if found is not None:
+        return found[1]
     num_rows, vocab = logits.shape
     if vocab < 4 * _ARGMAX_CHUNK:
         return logits.argmax(-1)
@@ -544,6 +559,10 @@ def _cell_masses(
     FLOOR))` over the rows `row_ids` of `source` (None: all), with `shift` finite, `scale`
     log2(e) / temperature (None: temperature 1), logits below `lower` at the floor (all `[rows, 1]`).
     Row-wise reductions only, so a row's masses are the same bits whatever else is in the batch."""
+    found = vocab_passes.cell_masses(source, shift, torch.full_like(shift, _LOG2_E) if scale is None else scale,
+                                     row_ids, lower, _FLOOR, _CELL)
+    if found is not None:
+        return found
     num_rows, vocab = source.shape[0] if row_ids is None else len(row_ids), source.shape[1]
     masses = source.new_empty(num_rows, -(-vocab // _CELL))
     # A column chunk at a time through one small scratch: a vocabulary-sized temporary would be

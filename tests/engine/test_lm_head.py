@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from pegaserve.engine import lm_head
+from pegaserve.engine import cpu_kernels, lm_head
 from pegaserve.engine.attention import SdpaBackend
 from pegaserve.engine.lm_head import CpuLogits, lm_head_reference
 from pegaserve.engine.model_config import ModelConfig
 from pegaserve.engine.qwen3 import Qwen3ForCausalLM
 
 needs_avx512 = pytest.mark.skipif(
-    not lm_head.has_avx512(), reason="this CPU lacks AVX-512 F/BW/VL: the kernel cannot run (the fallback is tested)"
+    not cpu_kernels.has_avx512(), reason="this CPU lacks AVX-512 F/BW/VL: the kernel cannot run (the fallback is tested)"
 )
 
 ROW_COUNTS = [1, 3, 16, 17, 33, 64]
@@ -124,23 +124,23 @@ def test_wrong_hidden_size_and_unsupported_weight_raise():
 
 @needs_avx512
 def test_builds_from_scratch(tmp_path: Path):
-    built = lm_head._build(tmp_path)
+    built = cpu_kernels.build("lm_head", tmp_path)
 
     assert built.is_file() and built.parent.parent == tmp_path
     assert [p.name for p in built.parent.iterdir()] == ["lm_head.so"]  # no partial file left behind
-    assert lm_head._build(tmp_path) == built  # the second call reuses it
+    assert cpu_kernels.build("lm_head", tmp_path) == built  # the second call reuses it
 
 
 def test_failed_build_falls_back_to_onednn(monkeypatch, caplog):
-    def fail() -> Path:
+    def fail(name: str) -> Path:
         raise RuntimeError("c++ exited 1: no such flag")
 
-    monkeypatch.setattr(lm_head, "_build", fail)
-    monkeypatch.setattr(lm_head, "has_avx512", lambda: True)
+    monkeypatch.setattr(cpu_kernels, "build", fail)
+    monkeypatch.setattr(cpu_kernels, "has_avx512", lambda: True)
     lm_head._load_kernel.cache_clear()
     try:
         weight, hidden = _weight_and_hidden(100, 128, 3)
-        with caplog.at_level(logging.WARNING, logger=lm_head.__name__):
+        with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
             heads = [CpuLogits(weight), CpuLogits(weight)]
         assert not any(head.uses_avx512 for head in heads)
         assert [r.getMessage() for r in caplog.records].count(
@@ -169,4 +169,4 @@ def test_model_rebuilds_the_head_when_the_tied_weight_is_replaced():
     model.lm_head.weight = model.model.embed_tokens.weight  # as the loader re-ties
 
     torch.testing.assert_close(model.compute_logits(hidden), hidden @ model.model.embed_tokens.weight.T)
-    assert model._cpu_logits.uses_avx512 == lm_head.has_avx512()
+    assert model._cpu_logits.uses_avx512 == cpu_kernels.has_avx512()

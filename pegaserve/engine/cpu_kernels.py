@@ -1,0 +1,100 @@
+"""The engine's AVX-512 CPU kernels (`csrc/*.cpp`): compiled on first use with the system C++
+compiler, in about a second each, and loaded with ctypes (which releases the GIL during a call).
+
+They are plain C ABI: no torch headers, no ninja. A build lives in
+`~/.cache/pegaserve/<name>/<hash of source, compiler and flags>/`; each build writes a private file
+and renames it into place, so processes starting together (engine cores, test workers) never load a
+half-written library. Where the CPU lacks AVX-512, no compiler is found or the build fails, `load`
+answers None (logged once per kernel) and the caller uses its torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).with_name("csrc")
+CXX_FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-std=c++17", "-shared", "-fPIC", "-pthread")
+BUILD_TIMEOUT_S = 120.0
+
+
+def has_avx512() -> bool:
+    """Whether this CPU runs the kernels' instructions (AVX-512 F/BW/VL and FMA), from cpuinfo."""
+    capabilities = getattr(torch.cpu, "get_capabilities", None)
+    if capabilities is None:  # torch < 2.9: its dispatch level needs F/BW/VL/DQ
+        return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    found = capabilities()
+    return all(found.get(flag, False) for flag in ("avx512_f", "avx512_bw", "avx512_vl", "fma3"))
+
+
+def build(name: str, build_root: Path | None = None) -> Path:
+    """The shared library of `csrc/<name>.cpp`, compiled unless a build of the same source and flags
+    exists under `build_root` (default ~/.cache/pegaserve/<name>)."""
+    compiler = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (c++, g++ or clang++) on PATH")
+    source_path = CSRC / f"{name}.cpp"
+    source = source_path.read_bytes()
+    key = b"\0".join([source, compiler.encode(), platform.machine().encode(), *map(str.encode, CXX_FLAGS)])
+    build_root = build_root or Path.home() / ".cache" / "pegaserve" / name
+    target = build_root / hashlib.sha256(key).hexdigest()[:16] / f"{name}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *CXX_FLAGS, str(source_path), "-o", partial], capture_output=True, text=True,
+                              timeout=BUILD_TIMEOUT_S)
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} exited {done.returncode}: {done.stderr.strip()[-2000:]}")
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return target
+
+
+def load(name: str, label: str, fallback: str, declare: Callable[[ctypes.CDLL], None]) -> ctypes.CDLL | None:
+    """`csrc/<name>.cpp` built and loaded, its functions typed by `declare`; None where it cannot
+    run, logged with the kernel's `label` and the `fallback` used instead."""
+    if not has_avx512():
+        log.info("%s: this CPU lacks AVX-512; using %s", label, fallback)
+        return None
+    try:
+        library = ctypes.CDLL(str(build(name)))
+    except (OSError, subprocess.SubprocessError, RuntimeError) as error:
+        log.warning("%s: the AVX-512 kernel did not build (%s); using %s", label, error, fallback)
+        return None
+    declare(library)
+    return library
+
+
+@functools.cache
+def vocab_passes() -> ctypes.CDLL | None:
+    """`csrc/vocab_passes.cpp`: the sampler's passes over a row of logits."""
+
+    def declare(library: ctypes.CDLL) -> None:
+        i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+        for function, argtypes in (
+            ("pegaserve_max_argmax", [ptr, i64, i64, ptr, i64, ptr, ptr]),
+            ("pegaserve_cell_masses", [ptr, i64, i64, ptr, i64, ptr, ptr, ptr, f32, i64, ptr]),
+            ("pegaserve_top_p_bound", [ptr, i64, i64, ptr, i64, ptr, ptr, ptr, f32, ptr, i64, ptr]),
+        ):
+            getattr(library, function).restype = None
+            getattr(library, function).argtypes = argtypes
+
+    return load("vocab_passes", "Sampler passes", "torch's ops", declare)
