@@ -16,6 +16,8 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
+from pegaserve.engine import cpu_attention
+
 
 @dataclass(frozen=True)
 class AttentionBatch:
@@ -106,8 +108,20 @@ class SdpaBackend(AttentionBackend):
         return out
 
     def _batched(self, q, kv_layer, batch, scale, requests) -> torch.Tensor:
-        """Attention of requests with few queries each, padded to one call: `[their tokens, H, hd]`."""
+        """Attention of requests with few queries each: `[their tokens, H, hd]`. On an AVX-512 CPU
+        the paged kernel reads the cache in place (`cpu_attention`); else one padded SDPA call."""
         requests = list(requests)
+        everyone = len(requests) == len(batch.query_lens)
+        found = cpu_attention.attend(
+            q if everyone else q[_query_rows(batch, requests, q.device)], kv_layer,
+            batch.block_tables if everyone else batch.block_tables[requests],
+            [batch.context_lens_cpu[i] for i in requests], [batch.query_lens[i] for i in requests], scale)
+        if found is not None:
+            return found
+        return self._padded(q, kv_layer, batch, scale, requests)
+
+    def _padded(self, q, kv_layer, batch, scale, requests: list[int]) -> torch.Tensor:
+        """`_batched` by torch's SDPA: every context gathered and padded to the longest, one call."""
         _, num_blocks, block_size, num_kv_heads, head_dim = kv_layer.shape
         query_lens = [batch.query_lens[i] for i in requests]
         max_query = max(query_lens)

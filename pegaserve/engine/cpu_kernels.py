@@ -47,8 +47,8 @@ def build(name: str, build_root: Path | None = None) -> Path:
     if compiler is None:
         raise RuntimeError("no C++ compiler (c++, g++ or clang++) on PATH")
     source_path = CSRC / f"{name}.cpp"
-    source = source_path.read_bytes()
-    key = b"\0".join([source, compiler.encode(), platform.machine().encode(), *map(str.encode, CXX_FLAGS)])
+    sources = [source_path.read_bytes(), *(h.read_bytes() for h in sorted(CSRC.glob("*.h")))]
+    key = b"\0".join([*sources, compiler.encode(), platform.machine().encode(), *map(str.encode, CXX_FLAGS)])
     build_root = build_root or Path.home() / ".cache" / "pegaserve" / name
     target = build_root / hashlib.sha256(key).hexdigest()[:16] / f"{name}.so"
     if target.exists():
@@ -98,3 +98,18 @@ def vocab_passes() -> ctypes.CDLL | None:
             getattr(library, function).argtypes = argtypes
 
     return load("vocab_passes", "Sampler passes", "torch's ops", declare)
+
+
+@functools.cache
+def paged_attention() -> ctypes.CDLL | None:
+    """`csrc/paged_attention.cpp`: attention of a few queries per request over the paged cache."""
+
+    def declare(library: ctypes.CDLL) -> None:
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        library.pegaserve_paged_attention_max_head_dim.restype = ctypes.c_int
+        library.pegaserve_paged_attention_max_head_dim.argtypes = []
+        library.pegaserve_paged_attention.restype = None
+        library.pegaserve_paged_attention.argtypes = [ptr, ptr, i64, i64, i64, i64, i64, ptr, i64, ptr, ptr, ptr, i64,
+                                                      ctypes.c_float, ptr]
+
+    return load("paged_attention", "Paged attention", "torch's SDPA", declare)

@@ -9,17 +9,18 @@
 //
 // Plain C ABI (loaded with ctypes), so that it builds in a second with no torch headers and no ninja.
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <system_error>
 #include <thread>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
-constexpr int kLanes = 16;
+using pegaserve::kLanes;
+using pegaserve::lane_mask;
 constexpr int kBlocks = 3;
 constexpr int kGroupCols = kLanes * kBlocks;
 constexpr int kMaxRows = 8;  // kMaxRows * kBlocks accumulators + kBlocks weight vectors <= 32 zmm
@@ -34,12 +35,6 @@ constexpr int64_t kChunk = 512;
 // harmless hints (they never fault).
 constexpr int64_t kPrefetchL1Steps = 32;
 constexpr int64_t kPrefetchL2Bytes = 96 * 1024;
-
-__mmask16 lane_mask(int64_t valid) {
-  if (valid <= 0) return 0;
-  if (valid >= kLanes) return 0xFFFF;
-  return static_cast<__mmask16>((1u << valid) - 1u);
-}
 
 // One tile: out[0:MT, 0:kGroupCols] (+)= a[0:MT, 0:k_size] @ w[0:k_size, 0:kGroupCols]. `ahead` is
 // this tile's slice of the group to prefetch, one k step of it every `ahead_every` k steps.

@@ -11,12 +11,7 @@
 //                 by exponent finds the bucket where the running mass reaches p; only that bucket's
 //                 logits are sorted.
 //
-// 2^x is computed as 2^n * p(f), n = round(x), |f| <= 1/2, p a degree-7 polynomial: within ~2 ulp
-// of exp2 over the range used here, [floor, 0].
-//
 // Plain C ABI (loaded with ctypes), built like lm_head.cpp (pegaserve/engine/cpu_kernels.py).
-
-#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
@@ -24,30 +19,13 @@
 #include <functional>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
-constexpr int kLanes = 16;
-
-__mmask16 lane_mask(int64_t valid) {
-  if (valid >= kLanes) return 0xFFFF;
-  return static_cast<__mmask16>((1u << valid) - 1u);
-}
-
-// 2^x for x in [-126, 0] (inputs are clamped to the floor first, so never lower).
-__m512 exp2_ps(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);  // [-0.5, 0.5]
-  // Taylor coefficients of 2^f = e^(f ln 2): (ln 2)^i / i!
-  __m512 p = _mm512_set1_ps(1.5252733804059840e-05f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381609e-04f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
+using pegaserve::exp2_ps;
+using pegaserve::kLanes;
+using pegaserve::lane_mask;
 
 double exp2_scalar(float x) { return std::exp2(static_cast<double>(x)); }
 
