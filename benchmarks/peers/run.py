@@ -4,10 +4,11 @@ In one run, each system in turn is started on 127.0.0.1 from the same model dire
 by default), waited for until a completion succeeds, warmed up, measured with the same
 `vllm bench serve` invocations (random 128-token prompts, 64 output tokens, EOS ignored, seed 0) at
 every concurrency, greedy and at the server's default temperature, and stopped before the next
-one starts. Writes docs/bench/PEERS.md, peers.json and peers.png; the client's own result files
+one starts. With `--rounds N` the whole sequence repeats N times (A B C A B C ...), so that a
+shared machine's slow minutes fall on every system alike; the report gives each figure's median. Writes docs/bench/PEERS.md, peers.json and peers.png; the client's own result files
 and every server's log stay in the run directory (printed at the start).
 
-    python -m benchmarks.peers [--systems vllm,pd,colocated] [--concurrency 1,16,32] [--num-prompts 64]
+    python -m benchmarks.peers [--systems vllm,pd,colocated] [--concurrency 1,16,32] [--num-prompts 64] [--rounds 2]
 
 Systems: `vllm` (`vllm serve`), `pd` (`serve run configs/cluster.yaml`), `colocated` (the same
 config with `mode: colocated` and one `Colocated` deployment), `ray-llm` (Ray Serve LLM on vLLM-CPU;
@@ -78,16 +79,18 @@ def launch_for(key: str, args: argparse.Namespace, model_dir: Path, run_dir: Pat
     return pegaserve_launch(key, config, REPO_ROOT / ".venv", REPO_ROOT)
 
 
-def bench_system(key: str, args: argparse.Namespace, model_dir: Path, run_dir: Path, gate: QuietGate) -> dict:
-    """Start `key`, warm it up, run every (temperature, concurrency) once, stop it."""
-    system = {"key": key, "name": SYSTEM_NAMES[key], "runs": [], "error": None, "ready_s": None}
+def bench_system(system: dict, round_: int, args: argparse.Namespace, model_dir: Path, run_dir: Path,
+                 gate: QuietGate) -> None:
+    """Start `system`, warm it up, run every (temperature, concurrency) once into its runs, stop it."""
+    key = system["key"]
     launch = launch_for(key, args, model_dir, run_dir)
     if launch.port == PEGASERVE_PORT:
         wait_port_free(PEGASERVE_PORT, args.port_wait_s)
     client_log = run_dir / f"{key}-client.log"
-    print(f"{SYSTEM_NAMES[key]}: starting (log {run_dir / f'{key}-server.log'})", flush=True)
+    server_log = run_dir / f"{key}-server-{round_}.log"
+    print(f"{SYSTEM_NAMES[key]}, round {round_ + 1}: starting (log {server_log})", flush=True)
     try:
-        with Server(launch, run_dir / f"{key}-server.log") as server:
+        with Server(launch, server_log) as server:
             system["ready_s"] = server.ready_s
             print(f"  ready in {server.ready_s:.0f} s (a completion succeeded)", flush=True)
             warmup = ClientRun(WARMUP_PROMPTS, WARMUP_PROMPTS, None)
@@ -95,12 +98,12 @@ def bench_system(key: str, args: argparse.Namespace, model_dir: Path, run_dir: P
             for temperature in TEMPERATURES:
                 for concurrency in args.concurrency:
                     run = ClientRun(args.num_prompts, concurrency, temperature)
-                    system["runs"].append(measure(run, args, launch, model_dir, run_dir / key, client_log, gate))
+                    measured = measure(run, args, launch, model_dir, run_dir / key, client_log, gate)
+                    system["runs"].append({**measured, "round": round_})
     except (ServerFailed, RuntimeError, subprocess.TimeoutExpired) as e:
         system["error"] = f"{type(e).__name__}: {e}"
         print(f"  FAILED: {system['error']}", flush=True)
         traceback.print_exc()
-    return system
 
 
 def measure(run: ClientRun, args, launch: Launch, model_dir: Path, result_dir: Path, client_log: Path,
@@ -154,6 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"comma-separated, of {SYSTEMS}")
     parser.add_argument("--concurrency", default="1,16,32", help="comma-separated concurrency levels")
     parser.add_argument("--num-prompts", type=int, default=64, help="requests per (concurrency, temperature)")
+    parser.add_argument("--rounds", type=int, default=2, help="times the whole sequence of systems runs")
     parser.add_argument("--peers-python", type=Path, default=REPO_ROOT / ".venv-peers" / "bin" / "python",
                         help="python of the virtualenv with vllm-cpu (`make peers-install`)")  # fmt: skip
     parser.add_argument("--model", type=Path, default=None, help="model directory (default: qwen3-tiny)")
@@ -184,11 +188,15 @@ def main(argv: list[str] | None = None) -> None:
     print(f"bench-peers: model {model_dir}; client results and server logs in {run_dir}", flush=True)
     started = time.monotonic()
     gate = QuietGate()
-    systems = [bench_system(key, args, model_dir, run_dir, gate) for key in keys]
+    systems = [{"key": key, "name": SYSTEM_NAMES[key], "runs": [], "error": None, "ready_s": None} for key in keys]
+    for round_ in range(args.rounds):
+        for system in systems:
+            if system["error"] is None:
+                bench_system(system, round_, args, model_dir, run_dir, gate)
     raw = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "settings": {"systems": keys, "concurrency": args.concurrency, "num_prompts": args.num_prompts,
-                     "input_tokens": INPUT_TOKENS, "output_tokens": OUTPUT_TOKENS, "seed": SEED,
+                     "input_tokens": INPUT_TOKENS, "output_tokens": OUTPUT_TOKENS, "seed": SEED, "rounds": args.rounds,
                      "temperatures": list(TEMPERATURES), "warmup_prompts": WARMUP_PROMPTS,
                      "model": str(model_dir), "run_dir": str(run_dir), "total_s": time.monotonic() - started,
                      "argv": sys.argv[1:]},
