@@ -19,9 +19,9 @@ import torch
 
 from deployments.channel import Address, Connection, connect
 from deployments.handoff.protocol import Fetch, FetchReply, Lease, OpenPair, PairOffer
-from deployments.handoff.transports import GlooPair, NcclPair, PairChannel, kv_from_bytes
+from deployments.handoff.transports import GlooPair, NcclPair, PairChannel, Staging, kv_from_bytes
 from pegaserve.engine.async_engine import AsyncEngine
-from pegaserve.engine.runner import unpack_blocks
+from pegaserve.engine.runner import unpack_blocks, unpack_layer
 from pegaserve.engine.scheduler import ReceiveTarget
 
 log = logging.getLogger("ray.serve")
@@ -39,6 +39,7 @@ class Transfer:
 class _Peer:
     connection: Connection
     pair: PairChannel | None = None
+    staging: Staging = field(default_factory=Staging)
 
 
 @dataclass
@@ -52,8 +53,9 @@ class KvReceiver:
     _generation: int = 0
 
     async def fetch(self, lease: Lease, target: ReceiveTarget, choice_ids: tuple[str, ...]) -> Transfer:
-        """The prompt's missing blocks into `target`, for the choices `choice_ids`. Never raises: a failure is a `Transfer` that
-        is not ok (decode recomputes), and the transfer itself is not cancelled half way."""
+        """The prompt's missing blocks into `target`, for the choices `choice_ids`. Never raises: a
+        failure is a `Transfer` that is not ok (decode recomputes), and it returns only once nothing
+        writes into `target` any more (a transfer is never cut half way)."""
         start = time.perf_counter()
         if not target.block_ids:  # every block of the prompt was already in this replica's cache
             return Transfer(True, seconds=time.perf_counter() - start)
@@ -67,22 +69,22 @@ class KvReceiver:
         return Transfer(True, kv_bytes=kv_bytes, seconds=time.perf_counter() - start)
 
     async def _fetch(self, lease: Lease, target: ReceiveTarget, choice_ids: tuple[str, ...]) -> int | None:
-        shape = lease.shape_from(target.first_block)
-        if self.transport == "object_store" and lease.kv_ref is None:
-            return None  # the lease expired before prefill could put the KV in the store
+        """The KV bytes written into `target`'s blocks, or None when the lease is gone."""
+        cache = self.engine.kv_cache
         if lease.kv_ref is not None:
             data = await lease.kv_ref[0]
             packed = kv_from_bytes(data, lease.kv_dtype, lease.kv_shape)[:, :, target.first_block :]
-        else:
-            async with self._locks[lease.address]:  # one transfer per pair at a time
-                packed = await self._pull(lease, Fetch(lease.request_id, target.first_block, choice_ids), shape)
-            if packed is None:
-                return None
-        await asyncio.to_thread(unpack_blocks, self.engine.kv_cache, target.block_ids, packed)
-        return packed.numel() * packed.element_size()
+            await asyncio.to_thread(unpack_blocks, cache, target.block_ids, packed)
+            return packed.numel() * packed.element_size()
+        if self.transport == "object_store":
+            return None  # the lease expired before prefill could put the KV in the store
+        async with self._locks[lease.address]:  # one transfer per pair at a time
+            return await self._pull(lease, Fetch(lease.request_id, target.first_block, choice_ids), target)
 
-    async def _pull(self, lease: Lease, fetch: Fetch, shape: tuple[int, ...]) -> torch.Tensor | None:
+    async def _pull(self, lease: Lease, fetch: Fetch, target: ReceiveTarget) -> int | None:
+        """Fetch over the pair channel, each layer written into the cache as it arrives."""
         peer = await self._peer(lease)
+        cache = self.engine.kv_cache
         try:
             peer.connection.send(fetch)
             reply = await peer.connection.recv()
@@ -90,10 +92,17 @@ class KvReceiver:
                 raise ConnectionError("the prefill replica closed the connection")
             if not reply.ok:
                 return None
-            buffer = torch.empty(shape, dtype=getattr(torch, lease.kv_dtype), device=self.engine.kv_cache.device)
-            # shielded: the bytes were announced, so the recv completes even if the request is cancelled
-            await asyncio.shield(asyncio.to_thread(peer.pair.recv, buffer))
-            return buffer
+            buffer = peer.staging.take(lease.shape_from(target.first_block), getattr(torch, lease.kv_dtype),
+                                       cache.device)
+            index = torch.tensor(target.block_ids, device=cache.device)
+            receive = asyncio.ensure_future(asyncio.to_thread(
+                peer.pair.recv_layers, buffer, lambda layer, part: unpack_layer(cache, layer, index, part)))
+            try:  # the bytes were announced: the recv completes (or fails on gloo's own timeout) whatever happens
+                await asyncio.shield(receive)
+            except asyncio.CancelledError:
+                await asyncio.wait([receive])  # its thread writes into `target`: never let it outlive the fetch
+                raise
+            return buffer.numel() * buffer.element_size()
         except BaseException:
             self._drop(lease.address)
             raise

@@ -15,14 +15,15 @@ import logging
 import time
 
 import ray
+import torch
 
 from deployments.channel import Address, Connection, Listener
 from deployments.handoff.protocol import Fetch, FetchReply, Lease, OpenPair, PairOffer, ReleaseLease
-from deployments.handoff.transports import GlooPair, NcclPair, PairChannel, kv_as_bytes
+from deployments.handoff.transports import GlooPair, NcclPair, PairChannel, Staging, kv_as_bytes
 from pegaserve.engine import core
 from pegaserve.engine.async_engine import AsyncEngine
 from pegaserve.engine.request import EngineRequest
-from pegaserve.engine.runner import pack_blocks
+from pegaserve.engine.runner import pack_blocks, pack_layer
 from pegaserve.ledger import KvSent
 
 log = logging.getLogger("ray.serve")
@@ -80,6 +81,7 @@ class KvSender:
     async def _serve(self, connection: Connection) -> None:
         """One peer's messages, in order."""
         pair: PairChannel | None = None
+        staging = Staging()
         while (message := await connection.recv()) is not None:
             match message:
                 case ReleaseLease(request_id):
@@ -87,7 +89,7 @@ class KvSender:
                 case OpenPair(group_name):
                     pair = await self._open_pair(connection, group_name)
                 case Fetch():
-                    if not await self._send(connection, pair, message):
+                    if not await self._send(connection, pair, staging, message):
                         return  # the pair may be out of step: the peer starts over on a new connection
                 case _:
                     log.warning("unexpected handoff message %r from %s", message, connection.peer)
@@ -103,7 +105,7 @@ class KvSender:
         self.num_pairs += 1
         return pair
 
-    async def _send(self, connection: Connection, pair: PairChannel | None, fetch: Fetch) -> bool:
+    async def _send(self, connection: Connection, pair: PairChannel | None, staging: Staging, fetch: Fetch) -> bool:
         start = time.perf_counter()
         block_ids = await self.engine.call(core.ClaimParked(fetch.request_id))
         if block_ids is None or pair is None:
@@ -112,12 +114,15 @@ class KvSender:
         try:
             if self.delay_send_s:
                 await asyncio.sleep(self.delay_send_s)
-            packed = await asyncio.to_thread(pack_blocks, self.engine.kv_cache, block_ids[fetch.first_block :])
-            kv_bytes = packed.numel() * packed.element_size()
+            cache = self.engine.kv_cache
+            index = torch.tensor(block_ids[fetch.first_block :], device=cache.device)
+            buffer = staging.take((cache.shape[0], 2, len(index), *cache.shape[3:]), cache.dtype, cache.device)
+            kv_bytes = buffer.numel() * buffer.element_size()
             connection.send(FetchReply(True, kv_bytes=kv_bytes))
             # shielded: once announced, the send completes even if this replica is told to stop,
             # so the pair's two sides never disagree about what was sent
-            await asyncio.shield(asyncio.wait_for(asyncio.to_thread(pair.send, packed), self.timeout_s))
+            send = asyncio.to_thread(pair.send_layers, buffer, lambda layer, out: pack_layer(cache, layer, index, out))
+            await asyncio.shield(asyncio.wait_for(send, self.timeout_s))
         except Exception:
             log.exception("KV send of %s failed", fetch.request_id)
             self.engine.release(fetch.request_id)  # decode recomputes

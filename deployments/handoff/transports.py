@@ -6,8 +6,9 @@ makes each process join a single default torch.distributed world, which would ti
 one peer for life). `nccl` (GPUs) goes through `ray.util.collective` (cupy). `object_store`
 packs the prompt into the Ray object store at prefill time; the lease carries the reference.
 
-Pair channels block: callers run `send`/`recv` in a worker thread, one transfer at a time per
-pair, in the order of their connection's messages.
+Pair channels block: callers run them in a worker thread, one transfer at a time per pair, in the
+order of their connection's messages. A transfer moves the prompt's KV layer by layer: gloo sends a
+layer while the next is packed, and the receiver unpacks a layer while the next arrives.
 """
 
 from __future__ import annotations
@@ -15,10 +16,14 @@ from __future__ import annotations
 import datetime
 import warnings
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import numpy as np
 import ray
 import torch
+
+
+Layer = Callable[[int, torch.Tensor], None]  # (layer, that layer's part of the buffer)
 
 
 class PairChannel(ABC):
@@ -29,6 +34,34 @@ class PairChannel(ABC):
 
     @abstractmethod
     def recv(self, tensor: torch.Tensor) -> None: ...
+
+    def send_layers(self, buffer: torch.Tensor, pack: Layer) -> None:
+        """Send `buffer` ([layers, ...], contiguous), each layer filled by `pack` first."""
+        for layer in range(buffer.shape[0]):
+            pack(layer, buffer[layer])
+        self.send(buffer)
+
+    def recv_layers(self, buffer: torch.Tensor, unpack: Layer) -> None:
+        """Receive into `buffer` ([layers, ...], contiguous), handing each layer to `unpack`."""
+        self.recv(buffer)
+        for layer in range(buffer.shape[0]):
+            unpack(layer, buffer[layer])
+
+
+class Staging:
+    """One pair's reusable staging buffer: a transfer of a size seen before touches no new page."""
+
+    def __init__(self) -> None:
+        self._storage: torch.Tensor | None = None
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        numel = 1
+        for n in shape:
+            numel *= n
+        storage = self._storage
+        if storage is None or storage.numel() < numel or storage.dtype != dtype or storage.device != device:
+            storage = self._storage = torch.empty(numel, dtype=dtype, device=device)
+        return storage[:numel].view(shape)
 
 
 class GlooPair(PairChannel):
@@ -52,6 +85,20 @@ class GlooPair(PairChannel):
 
     def recv(self, tensor: torch.Tensor) -> None:
         self._group.recv([tensor], self._peer, 0).wait()
+
+    def send_layers(self, buffer: torch.Tensor, pack: Layer) -> None:
+        works = []  # gloo sends each layer from its own threads while this one packs the next
+        for layer in range(buffer.shape[0]):
+            pack(layer, buffer[layer])
+            works.append(self._group.send([buffer[layer]], self._peer, layer))
+        for work in works:
+            work.wait()
+
+    def recv_layers(self, buffer: torch.Tensor, unpack: Layer) -> None:
+        works = [self._group.recv([buffer[layer]], self._peer, layer) for layer in range(buffer.shape[0])]
+        for layer, work in enumerate(works):
+            work.wait()
+            unpack(layer, buffer[layer])
 
 
 class NcclPair(PairChannel):

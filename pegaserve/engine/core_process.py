@@ -31,6 +31,7 @@ import torch
 
 from pegaserve.engine.async_engine import EngineDead, Transport
 from pegaserve.engine.config import EngineConfig
+from pegaserve.engine import pages
 from pegaserve.engine.core import Command, EngineCore, Health, run_loop
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,9 @@ def _map(kind: str, how) -> torch.Tensor:
         numel = 1
         for n in shape:
             numel *= n
-        return torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
+        cache = torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
+        pages.populate(cache)  # the handoff reads and writes it: no page fault per 4 KB then
+        return cache
     finally:
         Path(path).unlink(missing_ok=True)  # both processes map it now: nothing outlives them
 

@@ -23,16 +23,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import sys
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from pegaserve.engine import cpu_kernels
+from pegaserve.engine import cpu_kernels, pages
+
 _ALIGNMENT_BYTES = 64  # the kernel's aligned loads of the packed weight
-_HUGE_PAGE_BYTES = 2 << 20
-_MADV_HUGEPAGE = 14  # Linux's
 # glibc serves allocations this large from a fresh mmap each time (its mmap threshold stops growing
 # at 32 MB), so an output this large is page-faulted anew on every call: 39 MB at 64 rows.
 _FRESH_MAPPING_BYTES = 32 << 20
@@ -82,7 +79,7 @@ class CpuLogits:
         num_tokens = hidden.shape[0]
         logits = torch.empty(num_tokens, self.vocab_size, dtype=torch.float32)
         if logits.nbytes >= _FRESH_MAPPING_BYTES:
-            _advise_huge_pages(logits)  # 64 rows: ~15 ms of page faults -> ~2
+            pages.advise_huge_pages(logits)  # 64 rows: ~15 ms of page faults -> ~2
         if num_tokens:
             self._kernel.pegaserve_lm_head(
                 hidden.data_ptr(), num_tokens, self.hidden_size, self._packed.data_ptr(), self.vocab_size,
@@ -101,7 +98,7 @@ def _pack(weight: torch.Tensor, group_cols: int) -> torch.Tensor:
     vocab_size, hidden_size = weight.shape
     num_full, tail = divmod(vocab_size, group_cols)
     packed = torch.empty(num_full + (tail > 0), hidden_size, group_cols, dtype=torch.float32)
-    _advise_huge_pages(packed)  # before the first touch
+    pages.advise_huge_pages(packed)  # before the first touch
     full = weight[: num_full * group_cols].view(num_full, group_cols, hidden_size)  # [groups, cols, K]
     packed[:num_full].copy_(full.transpose(1, 2))
     if tail:
@@ -109,36 +106,6 @@ def _pack(weight: torch.Tensor, group_cols: int) -> torch.Tensor:
         packed[num_full, :, :tail].copy_(weight[num_full * group_cols :].T)
     assert packed.data_ptr() % _ALIGNMENT_BYTES == 0, "torch's CPU allocator aligns to 64 bytes"
     return packed
-
-
-def _advise_huge_pages(tensor: torch.Tensor) -> None:
-    """Ask Linux to back the tensor's whole 2 MB pages with huge pages when they are first touched.
-
-    Through 4 KB pages the kernel streams the weight ~15% slower (the hardware prefetcher stops at
-    every page boundary), and a fresh 39 MB output takes ~9,500 page faults. Where transparent huge
-    pages are off, or off Linux, this does nothing.
-    """
-    madvise = _madvise()
-    if madvise is None:
-        return
-    start = tensor.data_ptr()
-    first = -(-start // _HUGE_PAGE_BYTES) * _HUGE_PAGE_BYTES
-    last = (start + tensor.nbytes) // _HUGE_PAGE_BYTES * _HUGE_PAGE_BYTES
-    if last > first:
-        madvise(first, last - first, _MADV_HUGEPAGE)  # a refusal (THP disabled) leaves 4 KB pages
-
-
-@functools.cache
-def _madvise() -> Callable[[int, int, int], int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    madvise.restype = ctypes.c_int
-    return madvise
 
 
 @functools.cache

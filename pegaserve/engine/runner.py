@@ -127,6 +127,23 @@ def unpack_blocks(kv_cache: torch.Tensor, block_ids, packed: torch.Tensor) -> No
         kv_cache.index_copy_(2, index, packed)
 
 
+def pack_layer(kv_cache: torch.Tensor, layer: int, index: torch.Tensor, out: torch.Tensor) -> None:
+    """`out = kv_cache[layer][:, index]` (`[2, n, block_size, kvh, hd]`): one layer of the handoff's
+    packed form, so that a layer can travel while the next is packed."""
+    if kv_cache.is_cuda and _block_copy() is not None:
+        _block_copy().gather_blocks(kv_cache[layer : layer + 1], index, out=out[None])
+    else:
+        torch.index_select(kv_cache[layer], 1, index, out=out)
+
+
+def unpack_layer(kv_cache: torch.Tensor, layer: int, index: torch.Tensor, part: torch.Tensor) -> None:
+    """`kv_cache[layer][:, index] = part` (`pack_layer`'s other half)."""
+    if kv_cache.is_cuda and _block_copy() is not None:
+        _block_copy().scatter_blocks(part[None], kv_cache[layer : layer + 1], index)
+    else:
+        kv_cache[layer].index_copy_(1, index, part)
+
+
 def _block_copy():
     try:
         from pegaserve_kernels import block_copy  # noqa: PLC0415 - the optional GPU path
