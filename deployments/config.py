@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pegaserve.api.model_info import served_name
 from pegaserve.default_model import DEFAULT_MODEL_NAME, ensure_model_dir
 
-Transport = Literal["nccl", "gloo", "object_store"]
+Transport = Literal["shm", "gloo", "nccl", "object_store"]
 API_KEYS_ENV = "PEGASERVE_API_KEYS"
 
 
@@ -68,7 +68,9 @@ class AppArgs(BaseModel):
 
     model: str = Field(DEFAULT_MODEL_NAME, description="qwen3-tiny (built locally) or a local HF model directory")
     mode: Literal["pd", "colocated"] = Field("pd", description="prefill/decode disaggregated, or one engine")
-    transport: Transport = Field("gloo", description="how KV moves from prefill to decode")
+    transport: Transport = Field(
+        "shm", description="how KV moves from prefill to decode: shm (shared memory between replicas of one node, "
+        "gloo across nodes), gloo, nccl (GPUs) or object_store")
     transfer_timeout_s: float = Field(30.0, gt=0, description="a KV transfer that takes longer fails")
     lease_timeout_s: float = Field(60.0, ge=0, description="prefill frees unclaimed KV blocks after this")
     stream_interval: int = Field(

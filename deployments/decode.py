@@ -21,7 +21,8 @@ class Decode(EngineServer):
     def __init__(self, args: dict) -> None:
         super().__init__(args, Role.DECODE, "Decode")
         self.receiver = KvReceiver(self.engine, self.name, self.args.transport, self.args.transfer_timeout_s)
-        self.transfers = TransferMetrics(self.args.served_name, "Decode", (self.args.transport,))
+        used = {"shm": ("shm", "gloo")}.get(self.args.transport, (self.args.transport,))  # shm: gloo across nodes
+        self.transfers = TransferMetrics(self.args.served_name, "Decode", used)
 
     async def generate(self, request: EngineRequest, choices: tuple[tuple[int, tuple[SampledToken, ...]], ...],
                        lease: Lease | None, reply_to: Address, tag: int) -> None:
@@ -36,16 +37,16 @@ class Decode(EngineServer):
         request_id = handoff.request.request_id
         target = await self.engine.receive(handoff)
         if target is None:
-            return self._fell_back(handoff, "no free blocks to import")
+            return self._fell_back(handoff, self.receiver.transport_for(lease), "no free blocks to import")
         transfer = await self.receiver.fetch(lease, target, tuple(handoff.choice_ids))
         await self.engine.received(request_id, transfer.ok)
         if not transfer.ok:
-            return self._fell_back(handoff, transfer.reason)
+            return self._fell_back(handoff, transfer.transport, transfer.reason)
         cached_bytes = target.first_block * lease.block_bytes  # already in this replica's prefix cache
-        self.transfers.transferred(self.args.transport, transfer.kv_bytes, transfer.seconds, cached_bytes)
-        self.ledger.record([KvReceived(c, self.args.transport, transfer.kv_bytes, transfer.seconds, self.name,
+        self.transfers.transferred(transfer.transport, transfer.kv_bytes, transfer.seconds, cached_bytes)
+        self.ledger.record([KvReceived(c, transfer.transport, transfer.kv_bytes, transfer.seconds, self.name,
                                        cached_bytes) for c in handoff.choice_ids])
 
-    def _fell_back(self, handoff: Handoff, reason: str) -> None:
-        self.transfers.fallback(self.args.transport)
+    def _fell_back(self, handoff: Handoff, transport: str, reason: str) -> None:
+        self.transfers.fallback(transport)
         self.ledger.record([Fallback(c, reason, self.name) for c in handoff.choice_ids])

@@ -28,7 +28,7 @@ from pegaserve.stop import Abort, Eos, Error, Length, StopCause, String, Token, 
 LATENCY_BUCKETS_S = [0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15,
                      0.25, 0.5, 0.75, 1, 1.5, 2.5, 5, 7.5, 10, 15, 20, 30, 45, 60, 90, 120]
 TAGS = ("model", "deployment")
-TRANSPORTS = ("gloo", "object_store", "nccl")
+TRANSPORTS = ("shm", "gloo", "object_store", "nccl")
 EVERY_CAUSE: tuple[StopCause, ...] = (Eos(0), Token(0), String(""), Length(), Abort(), Error(""))
 
 

@@ -19,12 +19,17 @@ def _ms(seconds: float | None) -> str:
     return "—" if seconds is None else f"{seconds * 1000:.1f}"
 
 
+RAW_OF = {"shm": "gloo"}  # shm replaces gloo between replicas of one node: it is held against raw gloo
+
+
 def _handoff_table(result: dict, transport: str) -> list[str]:
-    raw = {f["num_bytes"]: f for f in result["raw"].get(transport, []) if f.get("payload", "torch") == "torch"}
-    numpy = {f["num_bytes"]: f for f in result["raw"].get(transport, []) if f.get("payload") == "numpy"}
+    against = RAW_OF.get(transport, transport)
+    raw = {f["num_bytes"]: f for f in result["raw"].get(against, []) if f.get("payload", "torch") == "torch"}
+    numpy = {f["num_bytes"]: f for f in result["raw"].get(against, []) if f.get("payload") == "numpy"}
     extra = " raw put + get ms | raw as numpy ms |" if numpy else ""
-    lines = ["| prompt tokens | KV MiB | handoff ms (median, min-max) | handoff GB/s | raw ms | raw GB/s "
-             f"| handoff / raw time | fallbacks |{extra}", "|---:" * (8 + 2 * bool(numpy)) + "|"]  # fmt: skip
+    label = f"raw {against}" if against != transport else "raw"
+    lines = [f"| prompt tokens | KV MiB | handoff ms (median, min-max) | handoff GB/s | {label} ms | {label} GB/s "
+             f"| handoff / {label} time | fallbacks |{extra}", "|---:" * (8 + 2 * bool(numpy)) + "|"]  # fmt: skip
     for length, samples in result["apps"][f"pd-{transport}"].items():
         kv_bytes = _median([s["kv_bytes"] for s in samples])
         seconds = [s["handoff_s"] for s in samples if s["handoff_s"] is not None]
@@ -79,8 +84,10 @@ def write_kv_report(result: dict, path: Path) -> None:
         f"- Per prompt length, one untimed warm-up, then {settings['repeats']} requests one at a time (deterministic "
         f"random token ids, streaming, {settings['max_tokens']} new tokens, greedy, `ignore_eos`), read with httpx "
         "(raw SSE: the least client overhead between us and the timestamps).",
-        "- **handoff** = the ledger's `handoff.seconds`: decode's view, from claiming the lease to the KV in hand — "
-        "the KV port round trip, prefill packing the blocks (between two engine steps), and the transfer itself. "
+        "- **handoff** = the ledger's `handoff.seconds`: decode's view, from claiming the lease to the KV in its "
+        "blocks — the fetch round trip to the prefill replica (its engine marks the lease claimed), packing, "
+        "moving and unpacking the blocks (gloo: layer by layer, pipelined; shm: decode copies them straight out of "
+        "the prefill engine's cache in shared memory). "
         "**raw** = the same bytes between two plain Ray actors with nothing else (`benchmarks/kv/transport.py`): "
         "gloo is one `ProcessGroupGloo` send/recv (the `GlooPair` the app uses), timed on the receiver; object "
         "store is `ray.put` of the torch tensor in one actor + `ray.get` in the other (and, for comparison, the same "
@@ -89,7 +96,9 @@ def write_kv_report(result: dict, path: Path) -> None:
         "- TTFT: P/D sends the first token from prefill before any KV moves, so the handoff shows in the time to "
         "the **second** token; both are given, medians, client side.", "",
     ]  # fmt: skip
-    for transport in result["raw"]:
-        lines += [f"## Handoff over {transport}", "", *_handoff_table(result, transport), ""]
+    for name in result["apps"]:
+        if name.startswith("pd-"):
+            transport = name.removeprefix("pd-")
+            lines += [f"## Handoff over {transport}", "", *_handoff_table(result, transport), ""]
     lines += ["## TTFT: P/D against colocated", "", *_ttft_table(result), "", "## Notes", "", notes, ""]
     path.write_text("\n".join(lines))

@@ -1,10 +1,11 @@
 """`make bench-kv`: the KV handoff per CPU transport, and TTFT of P/D against colocated.
 
-For each transport (gloo, object_store) a P/D app is deployed on an in-process Ray cluster
+For each transport (shm, gloo, object_store) a P/D app is deployed on an in-process Ray cluster
 (127.0.0.1) and sent prompts of 128, 512 and 2048 tokens, one request at a time (streaming, 4 new
 tokens, greedy, EOS ignored); each request's ledger record gives the KV bytes moved and decode's
 seconds from claim to KV in hand. The raw send/recv bandwidth of the same transport for the same
-byte counts is measured between two plain Ray actors (`benchmarks.kv.transport`). A colocated app gets the
+byte counts is measured between two plain Ray actors (`benchmarks.kv.transport`); shm, which has
+no transport of its own to time, is held against raw gloo (what it replaces on one node). A colocated app gets the
 same prompts, for TTFT. P/D sends its first token from prefill, before any KV moves, so the
 handoff shows in the time to the *second* token; both are reported.
 
@@ -29,7 +30,8 @@ import torch
 from benchmarks.kv.report import write_kv_report
 from benchmarks.reports import DOCS_DIR
 
-TRANSPORTS = ("gloo", "object_store")
+TRANSPORTS = ("shm", "gloo", "object_store")
+RAW_OF = {"shm": "gloo"}  # the raw transport a handoff is held against
 LENGTHS = (128, 512, 2048)
 REPEATS = 5
 MAX_TOKENS = 4
@@ -139,8 +141,9 @@ def main(argv: list[str] | None = None) -> None:
             apps[name] = asyncio.run(run_prompts(url, lengths, args.repeats, read_ledger=mode == "pd"))
             local.delete(name)
             _print_app(name, apps[name])
-        for transport in TRANSPORTS:
-            sizes = sorted({s.kv_bytes for samples in apps[f"pd-{transport}"].values() for s in samples if s.kv_bytes})
+        for transport in sorted({RAW_OF.get(t, t) for t in TRANSPORTS}):
+            sizes = sorted({s.kv_bytes for t in TRANSPORTS if RAW_OF.get(t, t) == transport
+                            for samples in apps[f"pd-{t}"].values() for s in samples if s.kv_bytes})
             raw[transport] = raw_bandwidth(transport, sizes)
             for figure in raw[transport]:
                 print(f"raw {transport} ({figure.payload}): {figure.num_bytes / 2**20:.2f} MiB in "

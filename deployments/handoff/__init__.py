@@ -5,7 +5,8 @@
   owns the leases: their blocks, their expiry), reading the blocks straight from the KV cache the
   engine process shares with its replica.
 - `receiver`: the decode side. It claims a prompt's blocks (only those its own prefix cache lacks)
-  and writes them into the blocks its engine reserved.
-- `transports`: how the bytes move: gloo or nccl pair channels (one per prefill/decode pair, in an
-  order both sides agree on), or the Ray object store.
+  and writes them into the blocks its engine reserved: copied straight out of the prefill engine's
+  cache in shared memory when both replicas share a node (`shm`), or received.
+- `transports`: how the bytes move otherwise: gloo or nccl pair channels (one per prefill/decode
+  pair, in an order both sides agree on), or the Ray object store.
 """

@@ -10,6 +10,15 @@ from deployments.channel import Address
 
 
 @dataclass(frozen=True)
+class SharedCache:
+    """The prefill engine's KV cache as a file in shared memory, for decode replicas of its node."""
+
+    node_id: str
+    path: str
+    shape: tuple[int, ...]  # the whole cache: [layers, 2, num_blocks, block_size, kv_heads, head_dim]
+
+
+@dataclass(frozen=True)
 class Lease:
     """What decode needs to claim a prompt's KV from the prefill replica holding it."""
 
@@ -20,6 +29,7 @@ class Lease:
     kv_dtype: str
     block_bytes: int  # one block across every layer, K and V
     kv_ref: list | None = None  # object store: [ObjectRef] of the packed prompt (wrapped: Ray must not resolve it)
+    shared: SharedCache | None = None  # shm: where a decode replica of the same node maps the prefill's cache
 
     def shape_from(self, first_block: int) -> tuple[int, ...]:
         shape = list(self.kv_shape)
@@ -45,11 +55,13 @@ class PairOffer:
 @dataclass(frozen=True)
 class Fetch:
     """Send the prompt's blocks from `first_block` on (decode has the ones before in its cache) for
-    the choices `choice_ids` (the ledger's keys: the request id itself when it has one choice)."""
+    the choices `choice_ids` (the ledger's keys: the request id itself when it has one choice).
+    `copy_shared`: decode copies them itself out of the shared cache, then says `Copied`."""
 
     request_id: str
     first_block: int
     choice_ids: tuple[str, ...]
+    copy_shared: bool = False
 
 
 @dataclass(frozen=True)
@@ -57,6 +69,14 @@ class FetchReply:
     ok: bool
     reason: str = ""
     kv_bytes: int = 0
+    block_ids: tuple[int, ...] = ()  # copy_shared: where the blocks are in the shared cache
+
+
+@dataclass(frozen=True)
+class Copied:
+    """Decode has copied a `copy_shared` fetch's blocks: prefill may free them."""
+
+    request_id: str
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,12 @@
 write it into the blocks this replica's engine reserved (only the blocks after the prompt's prefix
 already cached here move).
 
-One connection and one pair channel per prefill replica, one transfer at a time on each: the
-fetches of a pair are in the same order on both sides. A transfer that fails or times out drops
-the connection and the pair (both sides start over), and the request recomputes its prompt.
+One connection per prefill replica, one transfer at a time on it. With `shm` and both replicas on
+one node, decode maps the prefill engine's KV cache (a file in shared memory) and copies the blocks
+itself, then tells prefill it may free them; otherwise the bytes travel over the connection's pair
+channel (gloo, nccl), the fetches of a pair in the same order on both sides. A transfer that fails
+or times out drops the connection and the pair (both sides start over), and the request
+recomputes its prompt.
 """
 
 from __future__ import annotations
@@ -12,24 +15,29 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import ray
 import torch
 
 from deployments.channel import Address, Connection, connect
-from deployments.handoff.protocol import Fetch, FetchReply, Lease, OpenPair, PairOffer
+from deployments.handoff.protocol import Copied, Fetch, FetchReply, Lease, OpenPair, PairOffer, SharedCache
 from deployments.handoff.transports import GlooPair, NcclPair, PairChannel, Staging, kv_from_bytes
 from pegaserve.engine.async_engine import AsyncEngine
-from pegaserve.engine.runner import unpack_blocks, unpack_layer
+from pegaserve.engine.core_process import map_kv_file
+from pegaserve.engine.runner import copy_blocks, unpack_blocks, unpack_layer
 from pegaserve.engine.scheduler import ReceiveTarget
 
 log = logging.getLogger("ray.serve")
+MAX_MAPPED_CACHES = 8  # prefill caches kept mapped (one per prefill replica of this node)
 
 
 @dataclass(frozen=True)
 class Transfer:
     ok: bool
+    transport: str  # what moved the bytes: shm, gloo, nccl or object_store
     reason: str = ""
     kv_bytes: int = 0
     seconds: float = 0.0
@@ -38,7 +46,7 @@ class Transfer:
 @dataclass
 class _Peer:
     connection: Connection
-    pair: PairChannel | None = None
+    pair: PairChannel | None = None  # opened on the first transfer that needs one
     staging: Staging = field(default_factory=Staging)
 
 
@@ -50,88 +58,134 @@ class KvReceiver:
     timeout_s: float
     _peers: dict[Address, _Peer] = field(default_factory=dict)
     _locks: dict[Address, asyncio.Lock] = field(default_factory=lambda: defaultdict(asyncio.Lock))
+    _mapped: OrderedDict[str, torch.Tensor] = field(default_factory=OrderedDict)
     _generation: int = 0
+
+    def transport_for(self, lease: Lease) -> str:
+        if lease.kv_ref is not None or self.transport == "object_store":
+            return "object_store"
+        if self.transport == "shm" and lease.shared is not None and self._same_node(lease.shared):
+            return "shm"
+        return "nccl" if self.transport == "nccl" else "gloo"
 
     async def fetch(self, lease: Lease, target: ReceiveTarget, choice_ids: tuple[str, ...]) -> Transfer:
         """The prompt's missing blocks into `target`, for the choices `choice_ids`. Never raises: a
         failure is a `Transfer` that is not ok (decode recomputes), and it returns only once nothing
         writes into `target` any more (a transfer is never cut half way)."""
         start = time.perf_counter()
+        transport = self.transport_for(lease)
         if not target.block_ids:  # every block of the prompt was already in this replica's cache
-            return Transfer(True, seconds=time.perf_counter() - start)
+            return Transfer(True, transport, seconds=time.perf_counter() - start)
         try:
-            kv_bytes = await asyncio.wait_for(self._fetch(lease, target, choice_ids), self.timeout_s)
+            kv_bytes = await asyncio.wait_for(self._fetch(lease, target, choice_ids, transport), self.timeout_s)
         except Exception as exc:
             log.warning("KV fetch of %s failed (%s: %s); recomputing", lease.request_id, type(exc).__name__, exc)
-            return Transfer(False, f"transfer failed: {type(exc).__name__}")
+            return Transfer(False, transport, f"transfer failed: {type(exc).__name__}")
         if kv_bytes is None:
-            return Transfer(False, "lease expired or unknown")
-        return Transfer(True, kv_bytes=kv_bytes, seconds=time.perf_counter() - start)
+            return Transfer(False, transport, "lease expired or unknown")
+        return Transfer(True, transport, kv_bytes=kv_bytes, seconds=time.perf_counter() - start)
 
-    async def _fetch(self, lease: Lease, target: ReceiveTarget, choice_ids: tuple[str, ...]) -> int | None:
+    async def _fetch(self, lease: Lease, target: ReceiveTarget, choice_ids: tuple[str, ...],
+                     transport: str) -> int | None:
         """The KV bytes written into `target`'s blocks, or None when the lease is gone."""
-        cache = self.engine.kv_cache
-        if lease.kv_ref is not None:
+        if transport == "object_store":
+            if lease.kv_ref is None:
+                return None  # the lease expired before prefill could put the KV in the store
             data = await lease.kv_ref[0]
             packed = kv_from_bytes(data, lease.kv_dtype, lease.kv_shape)[:, :, target.first_block :]
-            await asyncio.to_thread(unpack_blocks, cache, target.block_ids, packed)
+            await asyncio.to_thread(unpack_blocks, self.engine.kv_cache, target.block_ids, packed)
             return packed.numel() * packed.element_size()
-        if self.transport == "object_store":
-            return None  # the lease expired before prefill could put the KV in the store
-        async with self._locks[lease.address]:  # one transfer per pair at a time
-            return await self._pull(lease, Fetch(lease.request_id, target.first_block, choice_ids), target)
-
-    async def _pull(self, lease: Lease, fetch: Fetch, target: ReceiveTarget) -> int | None:
-        """Fetch over the pair channel, each layer written into the cache as it arrives."""
-        peer = await self._peer(lease)
-        cache = self.engine.kv_cache
-        try:
-            peer.connection.send(fetch)
-            reply = await peer.connection.recv()
-            if not isinstance(reply, FetchReply):
-                raise ConnectionError("the prefill replica closed the connection")
-            if not reply.ok:
-                return None
-            buffer = peer.staging.take(lease.shape_from(target.first_block), getattr(torch, lease.kv_dtype),
-                                       cache.device)
-            index = torch.tensor(target.block_ids, device=cache.device)
-            receive = asyncio.ensure_future(asyncio.to_thread(
-                peer.pair.recv_layers, buffer, lambda layer, part: unpack_layer(cache, layer, index, part)))
-            try:  # the bytes were announced: the recv completes (or fails on gloo's own timeout) whatever happens
-                await asyncio.shield(receive)
-            except asyncio.CancelledError:
-                await asyncio.wait([receive])  # its thread writes into `target`: never let it outlive the fetch
+        fetch = Fetch(lease.request_id, target.first_block, choice_ids, copy_shared=transport == "shm")
+        async with self._locks[lease.address]:  # one transfer per connection at a time
+            peer = await self._peer(lease)
+            try:
+                if fetch.copy_shared:
+                    return await self._copy_shared(peer, fetch, lease.shared, target)
+                return await self._pull(peer, fetch, lease, target)
+            except BaseException:
+                self._drop(lease.address)
                 raise
-            return buffer.numel() * buffer.element_size()
-        except BaseException:
-            self._drop(lease.address)
-            raise
+
+    async def _copy_shared(self, peer: _Peer, fetch: Fetch, shared: SharedCache, target: ReceiveTarget) -> int | None:
+        """Copy the blocks straight out of the prefill engine's cache, then let prefill free them."""
+        peer.connection.send(fetch)
+        reply = await self._reply(peer)
+        if not reply.ok:
+            return None
+        source = self._map(shared)
+        await _finish(asyncio.to_thread(copy_blocks, source, list(reply.block_ids), self.engine.kv_cache,
+                                        list(target.block_ids)))
+        peer.connection.send(Copied(fetch.request_id))
+        return reply.kv_bytes
+
+    async def _pull(self, peer: _Peer, fetch: Fetch, lease: Lease, target: ReceiveTarget) -> int | None:
+        """Fetch over the pair channel, each layer written into the cache as it arrives."""
+        await self._open_pair(peer, lease)
+        cache = self.engine.kv_cache
+        peer.connection.send(fetch)
+        reply = await self._reply(peer)
+        if not reply.ok:
+            return None
+        buffer = peer.staging.take(lease.shape_from(target.first_block), getattr(torch, lease.kv_dtype), cache.device)
+        index = torch.tensor(target.block_ids, device=cache.device)
+        unpack: Callable[[int, torch.Tensor], None] = lambda layer, part: unpack_layer(cache, layer, index, part)  # noqa: E731
+        await _finish(asyncio.to_thread(peer.pair.recv_layers, buffer, unpack))
+        return buffer.numel() * buffer.element_size()
+
+    @staticmethod
+    async def _reply(peer: _Peer) -> FetchReply:
+        reply = await peer.connection.recv()
+        if not isinstance(reply, FetchReply):
+            raise ConnectionError("the prefill replica closed the connection")
+        return reply
+
+    def _same_node(self, shared: SharedCache) -> bool:
+        return shared.node_id == ray.get_runtime_context().get_node_id()
+
+    def _map(self, shared: SharedCache) -> torch.Tensor:
+        """The prefill engine's cache, mapped once per file (the least recently used unmapped)."""
+        cache = self._mapped.pop(shared.path, None)
+        if cache is None:
+            cache = map_kv_file(shared.path, shared.shape, self.engine.kv_cache.dtype)
+            while len(self._mapped) >= MAX_MAPPED_CACHES:
+                self._mapped.popitem(last=False)
+        self._mapped[shared.path] = cache
+        return cache
 
     async def _peer(self, lease: Lease) -> _Peer:
         peer = self._peers.get(lease.address)
         if peer is not None and not peer.connection.closed:
             return peer
-        connection = await connect(lease.address, self.name)
-        peer = self._peers[lease.address] = _Peer(connection)
-        try:
-            self._generation += 1
-            group = f"pegaserve-kv-{lease.prefill_replica}-{self.name}-{self._generation}"
-            connection.send(OpenPair(group))
-            offer = await connection.recv()
-            if not isinstance(offer, PairOffer):
-                raise ConnectionError("the prefill replica did not offer a pair channel")
-            if self.transport == "nccl":
-                peer.pair = await asyncio.to_thread(NcclPair, group, 1)
-            else:
-                store = await asyncio.to_thread(GlooPair.join, offer.host, offer.port, self.timeout_s)
-                peer.pair = await asyncio.to_thread(GlooPair, store, 1, self.timeout_s)
-        except BaseException:
-            self._drop(lease.address)
-            raise
+        peer = self._peers[lease.address] = _Peer(await connect(lease.address, self.name))
         return peer
+
+    async def _open_pair(self, peer: _Peer, lease: Lease) -> None:
+        if peer.pair is not None:
+            return
+        self._generation += 1
+        group = f"pegaserve-kv-{lease.prefill_replica}-{self.name}-{self._generation}"
+        peer.connection.send(OpenPair(group))
+        offer = await peer.connection.recv()
+        if not isinstance(offer, PairOffer):
+            raise ConnectionError("the prefill replica did not offer a pair channel")
+        if self.transport == "nccl":
+            peer.pair = await asyncio.to_thread(NcclPair, group, 1)
+        else:
+            store = await asyncio.to_thread(GlooPair.join, offer.host, offer.port, self.timeout_s)
+            peer.pair = await asyncio.to_thread(GlooPair, store, 1, self.timeout_s)
 
     def _drop(self, address: Address) -> None:
         peer = self._peers.pop(address, None)
         if peer is not None:
             peer.connection.close()
 
+
+async def _finish(work) -> None:
+    """Await a copy into this replica's cache to its end, even when cancelled meanwhile: its thread
+    writes into blocks the engine reserved, so it must never outlive the fetch."""
+    task = asyncio.ensure_future(work)
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.wait([task])
+        raise

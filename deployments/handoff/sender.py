@@ -18,7 +18,7 @@ import ray
 import torch
 
 from deployments.channel import Address, Connection, Listener
-from deployments.handoff.protocol import Fetch, FetchReply, Lease, OpenPair, PairOffer, ReleaseLease
+from deployments.handoff.protocol import Copied, Fetch, FetchReply, Lease, OpenPair, PairOffer, ReleaseLease, SharedCache
 from deployments.handoff.transports import GlooPair, NcclPair, PairChannel, Staging, kv_as_bytes
 from pegaserve.engine import core
 from pegaserve.engine.async_engine import AsyncEngine
@@ -45,6 +45,11 @@ class KvSender:
 
     async def start(self) -> Address:
         return await self._listener.start()
+
+    @property
+    def pair_transport(self) -> str:
+        """What a pair channel runs on: nccl, or gloo (shm's way across nodes)."""
+        return "nccl" if self.transport == "nccl" else "gloo"
 
     @property
     def serving(self) -> bool:
@@ -76,7 +81,10 @@ class KvSender:
                 packed = await asyncio.to_thread(pack_blocks, cache, block_ids)
                 kv_ref = [ray.put(kv_as_bytes(packed))]
                 self.engine.release(request.request_id)
-        return Lease(request.request_id, self.name, self.address, shape, dtype, block_bytes, kv_ref)
+        shared = None
+        if self.transport == "shm" and self.engine.kv_path is not None:
+            shared = SharedCache(ray.get_runtime_context().get_node_id(), self.engine.kv_path, tuple(cache.shape))
+        return Lease(request.request_id, self.name, self.address, shape, dtype, block_bytes, kv_ref, shared)
 
     async def _serve(self, connection: Connection) -> None:
         """One peer's messages, in order."""
@@ -88,6 +96,9 @@ class KvSender:
                     await self._release(request_id)
                 case OpenPair(group_name):
                     pair = await self._open_pair(connection, group_name)
+                case Fetch(copy_shared=True):
+                    if not await self._share(connection, message):
+                        return
                 case Fetch():
                     if not await self._send(connection, pair, staging, message):
                         return  # the pair may be out of step: the peer starts over on a new connection
@@ -129,7 +140,30 @@ class KvSender:
             return False
         self.engine.release(fetch.request_id)  # the matching recv is decode's acknowledgement
         seconds = time.perf_counter() - start
-        self.ledger.record([KvSent(c, self.transport, kv_bytes, seconds, self.name, connection.peer)
+        self.ledger.record([KvSent(c, self.pair_transport, kv_bytes, seconds, self.name, connection.peer)
+                            for c in fetch.choice_ids])
+        return True
+
+    async def _share(self, connection: Connection, fetch: Fetch) -> bool:
+        """Decode copies the blocks out of the shared cache itself: hand it their ids, and keep them
+        until it says it has copied them (or goes away)."""
+        start = time.perf_counter()
+        block_ids = await self.engine.call(core.ClaimParked(fetch.request_id))
+        if block_ids is None:
+            connection.send(FetchReply(False, "lease expired or unknown"))
+            return True
+        shared = tuple(block_ids[fetch.first_block :])
+        kv_bytes = len(shared) * self.engine.kv_cache[:, :, 0].numel() * self.engine.kv_cache.element_size()
+        connection.send(FetchReply(True, kv_bytes=kv_bytes, block_ids=shared))
+        try:
+            done = await asyncio.wait_for(connection.recv(), self.timeout_s)
+        except asyncio.TimeoutError:
+            done = None
+        self.engine.release(fetch.request_id)
+        if done != Copied(fetch.request_id):
+            log.warning("decode did not confirm its copy of %s (%r); dropping the connection", fetch.request_id, done)
+            return False
+        self.ledger.record([KvSent(c, "shm", kv_bytes, time.perf_counter() - start, self.name, connection.peer)
                             for c in fetch.choice_ids])
         return True
 

@@ -57,6 +57,12 @@ class Transport(ABC):
     @abstractmethod
     def kv_cache(self) -> torch.Tensor: ...
 
+    @property
+    def kv_path(self) -> str | None:
+        """The file in shared memory that holds the KV cache, where other processes of this node can
+        map it (None: the cache is private to this process, or on a GPU)."""
+        return None
+
     @abstractmethod
     def shutdown(self) -> None: ...
 
@@ -230,6 +236,10 @@ class AsyncEngine:
     @property
     def kv_cache(self) -> torch.Tensor:
         return self.transport.kv_cache
+
+    @property
+    def kv_path(self) -> str | None:
+        return self.transport.kv_path
 
     def shutdown(self) -> None:
         self.transport.shutdown()

@@ -3,16 +3,20 @@ waits for the GIL of the replica that serves it (its event loop, Ray's threads, 
 
 The replica starts `python -m pegaserve.engine.core_process FD` with one end of a socket pair;
 messages are length-prefixed pickles (the two processes trust each other as a process trusts
-itself). The KV cache lives in shared memory, mapped by both: the replica moves a handoff's
-blocks in and out of it directly, never through the engine loop. The child exits when the socket
-closes (its replica died or shut down); the replica sees the child's exit as EOF and fails what
-was in flight (`EngineDead`), and its health check fails.
+itself). The KV cache lives in a file in shared memory, mapped by both: the replica moves a
+handoff's blocks in and out of it directly, never through the engine loop, and a decode replica on
+the same node may map it too (the `shm` transport). The file is removed when the replica shuts
+down or the engine exits; one left by processes that were killed outright is removed by the next
+engine that starts on the node. The child exits when the socket closes (its replica died or shut
+down); the replica sees the child's exit as EOF and fails what was in flight (`EngineDead`), and
+its health check fails.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import mmap
 import os
 import pickle
 import select
@@ -24,6 +28,7 @@ import tempfile
 import threading
 import time
 import uuid
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,33 +73,62 @@ def build_engine(spec: EngineSpec):
 
 def _share(engine) -> tuple:
     """Make the engine's KV cache (still empty) one the replica can map: a file in /dev/shm on the
-    CPU; on CUDA, torch's IPC handle of the device tensor (the reduction torch.multiprocessing uses)."""
+    CPU, named after this process; on CUDA, torch's IPC handle of the device tensor (the reduction
+    torch.multiprocessing uses)."""
     cache = engine.runner.kv_cache
     if cache.is_cuda:
         from torch.multiprocessing.reductions import reduce_tensor  # noqa: PLC0415
 
         return ("cuda", reduce_tensor(cache))
-    path = SHM_DIR / f"pegaserve-kv-{uuid.uuid4().hex}"
-    shared = torch.from_file(str(path), shared=True, size=cache.numel(), dtype=cache.dtype).view(cache.shape)
-    engine.runner.kv_cache = shared
+    _remove_orphans()
+    path = SHM_DIR / f"{KV_FILE_PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
+    engine.runner.kv_cache = map_kv_file(str(path), tuple(cache.shape), cache.dtype, create=True)
     return ("shm", (str(path), tuple(cache.shape), cache.dtype))
 
 
-def _map(kind: str, how) -> torch.Tensor:
-    """The replica's view of the engine's KV cache (`_share`'s other half)."""
+KV_FILE_PREFIX = "pegaserve-kv-"
+
+
+def map_kv_file(path: str, shape: tuple[int, ...], dtype: torch.dtype, create: bool = False) -> torch.Tensor:
+    """A KV cache file in shared memory as a tensor, every page faulted in now (the handoff would
+    otherwise pay a page fault per 4 KB it touches). `create` makes it, zeroed; otherwise a missing
+    file raises FileNotFoundError (never a fresh file of zeros taken for someone's KV)."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    num_bytes = numel * dtype.itemsize
+    fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+    try:
+        if create:
+            os.ftruncate(fd, num_bytes)
+        mapping = mmap.mmap(fd, num_bytes, mmap.MAP_SHARED)
+    finally:
+        os.close(fd)
+    with warnings.catch_warnings():  # a writable mapping: torch's "non-writable buffer" warning does not apply
+        warnings.simplefilter("ignore", UserWarning)
+        cache = torch.frombuffer(mapping, dtype=dtype).view(shape)
+    pages.populate(cache)
+    return cache
+
+
+def _remove_orphans() -> None:
+    """Remove the KV files of engines that are gone (killed with their replica, so nobody unlinked)."""
+    for path in SHM_DIR.glob(f"{KV_FILE_PREFIX}*"):
+        try:
+            os.kill(int(path.name.removeprefix(KV_FILE_PREFIX).split("-")[0]), 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+        except (ValueError, PermissionError):
+            pass  # not ours to judge: another user's, or not named by a pid
+
+
+def _map(kind: str, how) -> tuple[torch.Tensor, str | None]:
+    """The replica's view of the engine's KV cache (`_share`'s other half), and its file if any."""
     if kind == "cuda":
         rebuild, args = how
-        return rebuild(*args)
+        return rebuild(*args), None
     path, shape, dtype = how
-    try:
-        numel = 1
-        for n in shape:
-            numel *= n
-        cache = torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
-        pages.populate(cache)  # the handoff reads and writes it: no page fault per 4 KB then
-        return cache
-    finally:
-        Path(path).unlink(missing_ok=True)  # both processes map it now: nothing outlives them
+    return map_kv_file(path, shape, dtype), path
 
 # --- framing -------------------------------------------------------------------------------------
 
@@ -148,7 +182,7 @@ class ProcessTransport(Transport):
         if not (isinstance(ready, tuple) and ready[0] == "ready"):
             self._process.kill()
             raise EngineDead(f"the engine process did not start: {ready!r}")
-        self._kv_cache = _map(*ready[1:])
+        self._kv_cache, self._kv_path = _map(*ready[1:])
         self._health = Health(True, False, 0.0, 0, 0)
         self._health_at = time.monotonic()
         self._dead: BaseException | None = None
@@ -206,9 +240,15 @@ class ProcessTransport(Transport):
     def kv_cache(self) -> torch.Tensor:
         return self._kv_cache
 
+    @property
+    def kv_path(self) -> str | None:
+        return self._kv_path
+
     def shutdown(self) -> None:
         try:
             self._sock.close()
+            if self._kv_path is not None:
+                Path(self._kv_path).unlink(missing_ok=True)  # mappings outlive the name
         finally:
             try:
                 self._process.wait(timeout=5)
@@ -269,6 +309,9 @@ def _child_main(fd: int) -> None:
         run_loop(core, next_commands, answer, publish, closed.is_set)
     except (BrokenPipeError, ConnectionResetError):
         pass  # the replica is gone
+    finally:
+        if shared[0] == "shm":
+            Path(shared[1][0]).unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

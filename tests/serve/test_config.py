@@ -9,7 +9,7 @@ from deployments.config import AppArgs
 
 def test_defaults_are_the_cpu_pd_app(tiny_model_dir):
     args = AppArgs()
-    assert (args.model, args.mode, args.transport, args.engine.device) == ("qwen3-tiny", "pd", "gloo", "cpu")
+    assert (args.model, args.mode, args.transport, args.engine.device) == ("qwen3-tiny", "pd", "shm", "cpu")
 
 
 @pytest.mark.parametrize("bad,needle", [

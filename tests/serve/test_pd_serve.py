@@ -104,6 +104,17 @@ def test_n_choices_share_one_handoff_recorded_per_choice(gloo_url):
         assert choice["violations"] == []
 
 
+def test_shm_transport_copies_through_shared_memory_and_gives_the_same_tokens(ray_serve, reference_tokens):
+    url = deploy("shm", {"transport": "shm", "engine": {"num_blocks": 256}})
+    for prompt, expected in zip(PROMPTS[:4], reference_tokens[:4]):
+        ids, request_id = greedy_ids(url, prompt)
+        assert ids == expected
+        handoff = httpx.get(f"{url}/admin/ledger/{request_id}").json()["handoff"]
+        assert handoff["transport"] == "shm" and handoff["fallback"] is None and handoff["kv_bytes"] > 0
+    wait_for_idle_pools(url, replicas=2)  # prefill freed every block once decode said it had copied them
+    serve.delete("shm")
+
+
 def test_object_store_transport_gives_the_same_tokens(ray_serve, reference_tokens):
     url = deploy("objstore", {"transport": "object_store", "engine": {"num_blocks": 256}})
     for prompt, expected in zip(PROMPTS[:4], reference_tokens[:4]):
@@ -114,8 +125,9 @@ def test_object_store_transport_gives_the_same_tokens(ray_serve, reference_token
     serve.delete("objstore")
 
 
-def test_expired_lease_falls_back_to_recompute(ray_serve, reference_tokens):
-    url = deploy("expired", {"transport": "gloo", "lease_timeout_s": 0, "engine": {"num_blocks": 256}})
+@pytest.mark.parametrize("transport", ["gloo", "shm"])
+def test_expired_lease_falls_back_to_recompute(ray_serve, reference_tokens, transport):
+    url = deploy("expired", {"transport": transport, "lease_timeout_s": 0, "engine": {"num_blocks": 256}})
     for prompt, expected in zip(PROMPTS[:3], reference_tokens[:3]):
         ids, request_id = greedy_ids(url, prompt)
         assert ids == expected

@@ -1,5 +1,6 @@
 """Two Ray nodes (ray.cluster_utils.Cluster): prefill pinned to one, decode to the other by custom
-resources; the KV crosses nodes over gloo and the answer is still transformers' greedy answer."""
+resources; with the default `shm` transport the KV crosses nodes over gloo (shared memory is for
+replicas of one node) and the answer is still transformers' greedy answer."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def two_nodes():
 
 def test_kv_crosses_nodes_over_gloo(two_nodes, tiny_model_dir):
     url = deploy(
-        "twonodes", {"transport": "gloo", "engine": {"num_blocks": 128}},
+        "twonodes", {"transport": "shm", "engine": {"num_blocks": 128}},
         prefill_options={"num_cpus": 0.1, "resources": {"prefill_node": 0.1}},
         decode_options={"num_cpus": 0.1, "resources": {"decode_node": 0.1}},
     )
