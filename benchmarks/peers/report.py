@@ -138,7 +138,8 @@ def write_report(raw: dict, out: Path) -> None:
         "defaults otherwise (max_num_seqs 128, chunked prefill and prefix caching on; on 2 cores its model worker "
         "gets one OpenMP thread, pinned).",
         "- pegaserve P/D: `serve run configs/cluster.yaml` (Ingress 0.25 CPU, one Prefill and one Decode replica "
-        "at 0.5 CPU each, so one torch thread per engine; gloo KV transfer). Colocated: the same file with "
+        "at 0.5 CPU each, so one torch thread per engine; KV through shared memory, `transport: shm`). Colocated: "
+        "the same file with "
         "`mode: colocated` and one `Colocated` replica in place of Prefill and Decode. Each `serve run` starts "
         "its own Ray instance.",
         "- Output tok/s = output tokens / the client's wall time; TTFT = send to first token; ITL = gaps "

@@ -50,7 +50,7 @@ DEFAULT_SYSTEMS = ("vllm", "pd", "colocated")
 SYSTEM_NAMES = {
     "vllm": "vLLM CPU (`vllm serve`)",
     "ray-llm": "Ray Serve LLM (vLLM CPU engine)",
-    "pd": "pegaserve P/D (gloo)",
+    "pd": "pegaserve P/D (shm)",
     "colocated": "pegaserve colocated",
 }
 TEMPERATURES = (0.0, None)  # greedy, and no temperature sent (the server's default, 1.0)

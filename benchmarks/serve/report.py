@@ -154,7 +154,8 @@ def write_report(raw: dict, out: Path) -> None:
         "`return_token_ids` so every chunk says how many tokens it carries), one worker per concurrency slot, "
         "in the benchmark process. Apps started in-process on 127.0.0.1 with configs/cluster.yaml's replica "
         "options (Ingress 0.25 CPU; Prefill, Decode, Colocated 0.5 CPU each, so each engine runs one torch "
-        "thread), gloo transport, one prefill + one decode replica; warmed up with 4 requests first.",
+        "thread), shm transport (shared memory between the replicas), one prefill + one decode replica; warmed up "
+        "with 4 requests first.",
         "- transformers: `Qwen3ForCausalLM.generate` in the benchmark process (torch default threads = "
         f"{m['nproc']}), batch = concurrency, left padding, `max_new_tokens = min_new_tokens = "
         f"{settings['max_tokens']}`, `eos_token_id=None`, greedy. TTFT is from the start of the row's batch, ITL "

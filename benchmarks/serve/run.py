@@ -40,7 +40,7 @@ PROFILE_LEVEL = 16  # the target's level: its ledger records and engine-only cei
 MODEL = "qwen3-tiny"
 SYSTEMS = ("transformers", "pd", "colocated")
 SYSTEM_NAMES = {
-    "pd": "pegaserve P/D (gloo)",
+    "pd": "pegaserve P/D (shm)",
     "colocated": "pegaserve colocated",
     "transformers": "transformers generate (offline)",
     "url": "pegaserve at --url",
@@ -123,7 +123,7 @@ def bench_local_serve(keys: list[str], prompts, levels, slo: Slo, budget_s: floa
     with LocalServe() as local:
         for key in keys:
             start = time.perf_counter()
-            args = {"model": MODEL, "mode": "colocated" if key == "colocated" else "pd", "transport": "gloo",
+            args = {"model": MODEL, "mode": "colocated" if key == "colocated" else "pd", "transport": "shm",
                     "ledger_journal": None, "stream_interval": stream_interval,
                     "engine": {"torch_threads": engine_threads or 1}}
             url = local.deploy(key, args)

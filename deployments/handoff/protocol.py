@@ -74,7 +74,8 @@ class FetchReply:
 
 @dataclass(frozen=True)
 class Copied:
-    """Decode has copied a `copy_shared` fetch's blocks: prefill may free them."""
+    """Decode has copied a `copy_shared` fetch's blocks: prefill frees them and answers a FetchReply
+    saying whether the lease still held them (it may have expired meanwhile)."""
 
     request_id: str
 

@@ -107,7 +107,8 @@ class KvReceiver:
                 raise
 
     async def _copy_shared(self, peer: _Peer, fetch: Fetch, shared: SharedCache, target: ReceiveTarget) -> int | None:
-        """Copy the blocks straight out of the prefill engine's cache, then let prefill free them."""
+        """Copy the blocks straight out of the prefill engine's cache, then let prefill free them;
+        None (recompute) when the lease did not hold them until the copy was done."""
         peer.connection.send(fetch)
         reply = await self._reply(peer)
         if not reply.ok:
@@ -116,7 +117,8 @@ class KvReceiver:
         await _finish(asyncio.to_thread(copy_blocks, source, list(reply.block_ids), self.engine.kv_cache,
                                         list(target.block_ids)))
         peer.connection.send(Copied(fetch.request_id))
-        return reply.kv_bytes
+        held = await self._reply(peer)  # were the blocks still the lease's throughout the copy?
+        return reply.kv_bytes if held.ok else None
 
     async def _pull(self, peer: _Peer, fetch: Fetch, lease: Lease, target: ReceiveTarget) -> int | None:
         """Fetch over the pair channel, each layer written into the cache as it arrives."""

@@ -145,8 +145,9 @@ class KvSender:
         return True
 
     async def _share(self, connection: Connection, fetch: Fetch) -> bool:
-        """Decode copies the blocks out of the shared cache itself: hand it their ids, and keep them
-        until it says it has copied them (or goes away)."""
+        """Decode copies the blocks out of the shared cache itself: hand it their ids, keep them
+        until it says it has copied them, then tell it whether they were still held all along (a
+        lease that expired meanwhile may have had its blocks reused: decode then recomputes)."""
         start = time.perf_counter()
         block_ids = await self.engine.call(core.ClaimParked(fetch.request_id))
         if block_ids is None:
@@ -159,12 +160,14 @@ class KvSender:
             done = await asyncio.wait_for(connection.recv(), self.timeout_s)
         except asyncio.TimeoutError:
             done = None
-        self.engine.release(fetch.request_id)
+        held = await self.engine.call(core.ReleaseRequest(fetch.request_id))
         if done != Copied(fetch.request_id):
             log.warning("decode did not confirm its copy of %s (%r); dropping the connection", fetch.request_id, done)
             return False
-        self.ledger.record([KvSent(c, "shm", kv_bytes, time.perf_counter() - start, self.name, connection.peer)
-                            for c in fetch.choice_ids])
+        connection.send(FetchReply(held, "" if held else "lease expired during the copy", kv_bytes))
+        if held:
+            self.ledger.record([KvSent(c, "shm", kv_bytes, time.perf_counter() - start, self.name, connection.peer)
+                                for c in fetch.choice_ids])
         return True
 
     async def _release(self, request_id: str) -> None:
