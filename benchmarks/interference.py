@@ -25,7 +25,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from benchmarks.reports import machine
+from benchmarks.reports import kept_notes, machine
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "bench"
 MODEL = "qwen3-tiny"
@@ -158,7 +158,8 @@ def report(runs: list[SystemRun], args) -> None:
     if "pd" in by and "colocated" in by and by["colocated"]["itl_p99_ms"]:
         ratio = by["pd"]["itl_p99_ms"] / by["colocated"]["itl_p99_ms"]
         lines += ["", f"**ITL p99, P/D / colocated: {ratio:.2f}x** (target ≤ 0.5x)."]
-    lines += ["", "![ITL under interference](interference.png)", ""]
+    lines += ["", "![ITL under interference](interference.png)", "", "## Notes", "",
+              kept_notes(OUT / "INTERFERENCE.md"), ""]
     (OUT / "INTERFERENCE.md").write_text("\n".join(lines))
     plot(runs)
     print("\n".join(lines))

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.reports import machine
+from benchmarks.reports import kept_notes, machine
 from pegaserve.engine.build import load_engine
 from pegaserve.engine.config import SpeculativeConfig
 from pegaserve.engine.engine import EngineConfig
@@ -123,7 +123,7 @@ def main() -> None:
         acc = f"{r['accepted']} ({r['acceptance']:.0%})" if r["acceptance"] is not None else "0"
         lines.append(f"| {r['workload']} | {r['batch']} | {r['off_tok_s']:.0f} | {r['on_tok_s']:.0f} | "
                      f"{r['speedup']:.2f}x | {r['tokens_per_step']:.2f} | {r['drafts']} | {acc} | {r['identical']} |")
-    lines.append("")
+    lines += ["", "## Notes", "", kept_notes(OUT / "SPECULATIVE.md"), ""]
     (OUT / "SPECULATIVE.md").write_text("\n".join(lines))
     print("\n".join(lines))
 
