@@ -13,7 +13,17 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pegaserve.stop import Eos, Error, StopCause, String, Token, cause_kind, finish_reason, stop_reason, triggering_token
+from pegaserve.stop import (
+    Eos,
+    Error,
+    StopCause,
+    String,
+    Token,
+    cause_kind,
+    finish_reason,
+    stop_reason,
+    triggering_token,
+)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,16 @@ import ray
 import torch
 
 from deployments.channel import Address, Connection, Listener
-from deployments.handoff.protocol import Copied, Fetch, FetchReply, Lease, OpenPair, PairOffer, ReleaseLease, SharedCache
+from deployments.handoff.protocol import (
+    Copied,
+    Fetch,
+    FetchReply,
+    Lease,
+    OpenPair,
+    PairOffer,
+    ReleaseLease,
+    SharedCache,
+)
 from deployments.handoff.transports import GlooPair, NcclPair, PairChannel, Staging, kv_as_bytes
 from pegaserve.engine import core
 from pegaserve.engine.async_engine import AsyncEngine

@@ -22,7 +22,6 @@ import numpy as np
 import ray
 import torch
 
-
 Layer = Callable[[int, torch.Tensor], None]  # (layer, that layer's part of the buffer)
 
 

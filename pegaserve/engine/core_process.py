@@ -34,9 +34,9 @@ from pathlib import Path
 
 import torch
 
+from pegaserve.engine import pages
 from pegaserve.engine.async_engine import EngineDead, Transport
 from pegaserve.engine.config import EngineConfig
-from pegaserve.engine import pages
 from pegaserve.engine.core import Command, EngineCore, Health, run_loop
 
 log = logging.getLogger(__name__)

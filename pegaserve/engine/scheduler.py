@@ -16,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from pegaserve.engine.config import EngineConfig, Role
-from pegaserve.engine.kv_manager import CachedPrefix, KvCacheManager
+from pegaserve.engine.kv_manager import KvCacheManager
 from pegaserve.engine.request import EngineRequest, Handoff, RequestState, SampledToken, Status, StepOutput
 from pegaserve.engine.sampler import SamplingRow
 from pegaserve.engine.scheduler_output import RunnerOutput, SampleAt, ScheduledRequest, SchedulerOutput

@@ -4,9 +4,9 @@ import pytest
 import torch
 from transformers import Qwen3ForCausalLM
 
-from tests.engine.helpers import PROMPTS, greedy_request, run_to_completion, token_ids
 from pegaserve.engine.build import load_engine
 from pegaserve.engine.engine import EngineConfig
+from tests.engine.helpers import PROMPTS, greedy_request, run_to_completion, token_ids
 
 NEW_TOKENS = 32
 

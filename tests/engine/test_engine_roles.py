@@ -2,12 +2,12 @@
 
 import pytest
 
-from tests.engine.helpers import EOS_IDS, PROMPTS, greedy_request, run_to_completion, token_ids
 from pegaserve.engine.build import load_engine
-from pegaserve.testing.scripted import scripted_engine
 from pegaserve.engine.engine import EngineConfig, Role
 from pegaserve.engine.request import Handoff
 from pegaserve.stop import Eos, Length
+from pegaserve.testing.scripted import scripted_engine
+from tests.engine.helpers import EOS_IDS, PROMPTS, greedy_request, run_to_completion, token_ids
 
 NEW_TOKENS = 24
 

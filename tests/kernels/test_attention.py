@@ -4,10 +4,9 @@ On CPU the kernels run in Triton's interpreter (fp32, tiny shapes); with CUDA th
 compiled, in fp32/fp16/bf16, plus a few serving-sized ones.
 """
 
-from pegaserve_kernels.testing import kernel_devices, kernel_dtypes, kernels_unavailable_reason
-
 import pytest
 import torch
+from pegaserve_kernels.testing import kernel_devices, kernel_dtypes, kernels_unavailable_reason
 
 if (reason := kernels_unavailable_reason()) is not None:
     pytest.skip(reason, allow_module_level=True)

@@ -1,10 +1,9 @@
 """KV cache kernels against their torch references: store by slot mapping, and the handoff's
 gather (pack) / scatter (unpack) of whole blocks across all layers."""
 
-from pegaserve_kernels.testing import kernel_devices, kernel_dtypes, kernels_unavailable_reason
-
 import pytest
 import torch
+from pegaserve_kernels.testing import kernel_devices, kernel_dtypes, kernels_unavailable_reason
 
 if (reason := kernels_unavailable_reason()) is not None:
     pytest.skip(reason, allow_module_level=True)

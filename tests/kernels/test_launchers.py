@@ -1,9 +1,8 @@
 """Each launcher rejects bad inputs with a ValueError naming the argument, before any launch."""
 
-from pegaserve_kernels.testing import kernel_devices, kernels_unavailable_reason
-
 import pytest
 import torch
+from pegaserve_kernels.testing import kernel_devices, kernels_unavailable_reason
 
 if (reason := kernels_unavailable_reason()) is not None:
     pytest.skip(reason, allow_module_level=True)

@@ -1,10 +1,9 @@
 """Fused RMSNorm kernels against their references, and the references against the model's own
 `RMSNorm`/`Rotary` modules (the references are specs of what the model computes)."""
 
-from pegaserve_kernels.testing import kernel_devices, kernel_dtypes, kernels_unavailable_reason
-
 import pytest
 import torch
+from pegaserve_kernels.testing import kernel_devices, kernel_dtypes, kernels_unavailable_reason
 
 if (reason := kernels_unavailable_reason()) is not None:
     pytest.skip(reason, allow_module_level=True)

@@ -1,10 +1,9 @@
 """The `triton` attention backend equals `sdpa`: per call on random paged batches, and as greedy
 tokens of the whole engine on the tiny model (interpreted on CPU, compiled on CUDA)."""
 
-from pegaserve_kernels.testing import kernel_devices, kernels_unavailable_reason
-
 import pytest
 import torch
+from pegaserve_kernels.testing import kernel_devices, kernels_unavailable_reason
 
 if (reason := kernels_unavailable_reason()) is not None:
     pytest.skip(reason, allow_module_level=True)

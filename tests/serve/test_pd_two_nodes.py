@@ -7,10 +7,10 @@ from __future__ import annotations
 import httpx
 import pytest
 import ray
-from ray.util.state import list_actors
 import torch
 from ray import serve
 from ray.cluster_utils import Cluster
+from ray.util.state import list_actors
 from transformers import Qwen3ForCausalLM
 
 from tests.engine.helpers import PROMPTS
