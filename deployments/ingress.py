@@ -46,7 +46,9 @@ class Ingress:
         self.frontend = Frontend(engine, tokenizer, info, ledger, limits, IngressMetrics(info.name))
 
     def __serve_build_asgi_app__(self):
-        app = build_app(self.frontend, self.args.all_api_keys(), self.args.max_inflight_requests)
+        # Serve answers every request with its X-Request-Id (the client's, else one it made): not twice
+        app = build_app(self.frontend, self.args.all_api_keys(), self.args.max_inflight_requests,
+                        echo_request_id=False)
         app.add_middleware(HttpStatusMetrics, model=self.args.served_name)  # outermost: counts the guards' too
         return app
 

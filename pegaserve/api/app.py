@@ -24,10 +24,12 @@ log = logging.getLogger(__name__)
 REQUEST_ID_HEADER = "x-request-id"
 
 
-def build_app(frontend: Frontend, api_keys: tuple[str, ...] = (), max_inflight: int | None = None) -> FastAPI:
+def build_app(frontend: Frontend, api_keys: tuple[str, ...] = (), max_inflight: int | None = None,
+              echo_request_id: bool = True) -> FastAPI:
     """The OpenAI app. With `api_keys`, every /v1, /admin and tokenizer route needs
     `Authorization: Bearer`; past `max_inflight` concurrent generations the API answers 429 with
-    Retry-After."""
+    Retry-After. A response carries the client's X-Request-Id (or its own id) unless
+    `echo_request_id` is off: behind Ray Serve, which sets that header itself, it would be there twice."""
     app = FastAPI(title="pegaserve", version="0.1.0")
     app.state.frontend = frontend
     _install_error_handlers(app)
@@ -47,12 +49,12 @@ def build_app(frontend: Frontend, api_keys: tuple[str, ...] = (), max_inflight: 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = parse_body(await request.body(), CompletionRequest)
-        return await _respond(frontend, completion_job(frontend, body, _client_id(request)))
+        return await _respond(frontend, completion_job(frontend, body, _client_id(request)), echo_request_id)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = parse_body(await request.body(), ChatCompletionRequest)
-        return await _respond(frontend, chat_job(frontend, body, _client_id(request)))
+        return await _respond(frontend, chat_job(frontend, body, _client_id(request)), echo_request_id)
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> dict:
@@ -84,10 +86,10 @@ def _client_id(request: Request) -> str | None:
     return request.headers.get(REQUEST_ID_HEADER)
 
 
-async def _respond(frontend: Frontend, job: Job):
+async def _respond(frontend: Frontend, job: Job, echo_request_id: bool):
     log.info("request %s: client id %r, %d prompt(s), n=%d", job.response_id, job.client_request_id,
              len(job.prompts), job.n)
-    headers = {"X-Request-Id": job.client_request_id or job.response_id}
+    headers = {"X-Request-Id": job.client_request_id or job.response_id} if echo_request_id else {}
     if not job.stream:
         return JSONResponse(await frontend.complete(job), headers=headers)
     chunks = frontend.stream(job)

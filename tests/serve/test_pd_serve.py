@@ -115,6 +115,18 @@ def test_shm_transport_copies_through_shared_memory_and_gives_the_same_tokens(ra
     serve.delete("shm")
 
 
+def test_the_clients_request_id_is_echoed_once_and_kept_in_the_ledger(gloo_url):
+    body = {"prompt": PROMPTS[2], "max_tokens": 3}
+    responses = [httpx.post(f"{gloo_url}/v1/completions", json=body, headers={"X-Request-Id": "retry-7"}, timeout=60)
+                 for _ in range(2)]
+    ids = {r.json()["id"] for r in responses}
+    assert len(ids) == 2 and all(i.startswith("cmpl-") for i in ids)  # a retry is a request of its own
+    for response in responses:
+        assert response.headers.get_list("x-request-id") == ["retry-7"]
+        record = httpx.get(f"{gloo_url}/admin/ledger/{response.json()['id']}").json()
+        assert record["client_request_id"] == "retry-7" and record["status"] == "finished"
+
+
 def test_object_store_transport_gives_the_same_tokens(ray_serve, reference_tokens):
     url = deploy("objstore", {"transport": "object_store", "engine": {"num_blocks": 256}})
     for prompt, expected in zip(PROMPTS[:4], reference_tokens[:4]):
