@@ -37,7 +37,9 @@ def deploy(name: str, args: dict, num_prefill: int = 1, num_decode: int = 1, act
     """Deploy one pegaserve app at /<name>; returns its base URL. `doubles` (the keywords of
     `pegaserve.testing.hook.as_env`) puts test doubles into the engine replicas."""
     plain = AppArgs.model_validate({"ledger_journal": JOURNAL, **args}).model_dump(mode="json")
-    ingress = Ingress.options(ray_actor_options=actor_options)
+    # configs/cluster.yaml's limits (Serve's default of 5 ongoing requests per replica would queue
+    # the rest of a test's concurrent requests before they reach a decode replica)
+    ingress = Ingress.options(ray_actor_options=actor_options, max_ongoing_requests=256)
 
     def engine_options(options: dict | None) -> dict:
         options = dict(options or actor_options)
@@ -46,10 +48,13 @@ def deploy(name: str, args: dict, num_prefill: int = 1, num_decode: int = 1, act
         return options
 
     if plain["mode"] == "colocated":
-        app = ingress.bind(plain, colocated=Colocated.options(ray_actor_options=engine_options(None)).bind(plain))
+        colocated = Colocated.options(ray_actor_options=engine_options(None), max_ongoing_requests=128)
+        app = ingress.bind(plain, colocated=colocated.bind(plain))
     else:
-        prefill = Prefill.options(num_replicas=num_prefill, ray_actor_options=engine_options(prefill_options))
-        decode = Decode.options(num_replicas=num_decode, ray_actor_options=engine_options(decode_options))
+        prefill = Prefill.options(num_replicas=num_prefill, ray_actor_options=engine_options(prefill_options),
+                                  max_ongoing_requests=128)
+        decode = Decode.options(num_replicas=num_decode, ray_actor_options=engine_options(decode_options),
+                                max_ongoing_requests=128)
         app = ingress.bind(plain, prefill=prefill.bind(plain), decode=decode.bind(plain))
     serve.run(app, name=name, route_prefix=f"/{name}")
     url = f"{BASE}/{name}"

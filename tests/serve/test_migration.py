@@ -6,6 +6,7 @@ text and usage — and the ledger shows the migrations with no invariant broken.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import random
 import threading
@@ -18,11 +19,10 @@ from ray import serve
 
 from tests.engine.helpers import PROMPTS
 from tests.serve.helpers import deploy, start_ray, wait_for_idle_pools
-from tests.serve.test_faults import replica_actor
 
 pytestmark = pytest.mark.ray
 NUM_REQUESTS = 24
-MAX_TOKENS = 64
+MAX_TOKENS = 96
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,8 @@ def bodies() -> list[dict]:
             {"temperature": 1.0, "seed": 7, "stop": [" the", "ing"]},
         ])  # fmt: skip
         out.append({"prompt": PROMPTS[i % len(PROMPTS)] + [1000 + i], "max_tokens": MAX_TOKENS, "stream": True,
-                    "return_token_ids": True, "stream_options": {"include_usage": True}, "logprobs": 1, **params})
+                    "return_token_ids": True, "stream_options": {"include_usage": True}, "logprobs": 1, "ignore_eos": True,
+                    **params})
     return out
 
 
@@ -70,10 +71,18 @@ async def stream(client: httpx.AsyncClient, url: str, request: dict, on_chunk=No
     return {"id": rid, "text": text, "token_ids": ids, "logprobs": logprobs, "finish": finish, "usage": usage}
 
 
+def busiest_decode(url: str):
+    """The decode replica running the most requests (by its latest stats), so that most of them move."""
+    stats = httpx.get(f"{url}/admin/stats", timeout=10).json()
+    name = max((n for n in stats if "/Decode#" in n), key=lambda n: stats[n]["num_running"])
+    return ray.get_actor(f"SERVE_REPLICA::{name.replace('/', '#')}", namespace="serve")
+
+
 def run_all(url: str, on_chunk=None) -> list[dict]:
     async def main():
         async with httpx.AsyncClient(timeout=180) as client:
-            return await asyncio.gather(*(stream(client, url, b, on_chunk) for b in bodies()))
+            return await asyncio.gather(*(stream(client, url, b, on_chunk and functools.partial(on_chunk, i))
+                                          for i, b in enumerate(bodies())))
 
     return asyncio.run(main())
 
@@ -81,14 +90,14 @@ def run_all(url: str, on_chunk=None) -> list[dict]:
 def test_killing_a_decode_replica_mid_stream_loses_and_repeats_nothing(url):
     reference = run_all(url)
     assert all(r["finish"] for r in reference)
-    chunks = {"n": 0}
+    chunks = [0] * NUM_REQUESTS
     killed = threading.Event()
 
-    def kill_one_decode() -> None:
-        chunks["n"] += 1
-        if chunks["n"] == NUM_REQUESTS * 3 and not killed.is_set():  # every request started, few done
+    def kill_one_decode(i: int) -> None:
+        chunks[i] += 1
+        if min(chunks) >= 3 and not killed.is_set():  # every request past its prefill, on a decode replica
             killed.set()
-            ray.kill(replica_actor("migrate", "Decode"), no_restart=True)
+            ray.kill(busiest_decode(url), no_restart=True)
 
     started = time.monotonic()
     disturbed = run_all(url, kill_one_decode)
