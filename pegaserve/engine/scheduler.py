@@ -6,7 +6,8 @@ preempted (its KV dropped, recomputed later).
 The scheduler owns every `RequestState` and is the only caller of the KV cache manager, so a
 request's progress and its blocks change only here: in `schedule()` (blocks for the step) and
 `update()` (the sampled tokens, classified one at a time by the stop policy — docs/CONTRACT.md
-rules 1-7 — and the progress they make).
+rules 1-7 — and the progress they make). What each scheduled request asks of the runner is built in
+scheduled_request.py.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from dataclasses import dataclass
 from pegaserve.engine.config import EngineConfig, Role
 from pegaserve.engine.kv_manager import KvCacheManager
 from pegaserve.engine.request import EngineRequest, Handoff, RequestState, SampledToken, Status, StepOutput
-from pegaserve.engine.sampler import SamplingRow
-from pegaserve.engine.scheduler_output import RunnerOutput, SampleAt, ScheduledRequest, SchedulerOutput
+from pegaserve.engine.scheduled_request import scheduled_request
+from pegaserve.engine.scheduler_output import RunnerOutput, ScheduledRequest, SchedulerOutput
 from pegaserve.engine.spec import Proposer
 from pegaserve.stop import Abort, Error, Length, StopCause
 
@@ -212,46 +213,7 @@ class Scheduler:
 
     def _scheduled_request(self, request: RequestState, num_new: int) -> ScheduledRequest:
         self._scheduled.append(request)
-        start = request.num_computed_tokens
-        known_end = min(start + num_new, request.num_tokens)
-        token_ids = request.token_ids(start, known_end)
-        drafts = request.draft_token_ids
-        if drafts:
-            token_ids = [*token_ids, *drafts]
-        samples: tuple[SampleAt, ...] = ()
-        if known_end == request.num_tokens and request.policy.max_tokens > 0:
-            last = known_end - 1 - start  # the offset of the newest token: its logits give the next
-            if request.forks:  # the choices of one prompt sample from its last position
-                samples = tuple(SampleAt(last, self._row(c, 0)) for c in (request, *request.forks))
-            else:
-                n = request.num_output_tokens
-                samples = tuple(
-                    SampleAt(last + j, self._row(request, n + j, drafts[:j], drafts[j] if j < len(drafts) else None))
-                    for j in range(len(drafts) + 1)
-                )
-        score_from, targets, num_top = self._score_targets(request, start, known_end)
-        return ScheduledRequest(request.request_id, tuple(token_ids), start, self.kv.block_ids(request.request_id),
-                                samples, score_from, targets, num_top)
-
-    def _row(self, request: RequestState, num_output: int, drafts: tuple[int, ...] = (),
-             draft: int | None = None) -> SamplingRow:
-        params = request.sampling
-        return SamplingRow(
-            params, num_output, request.policy.masked_token_ids(num_output),
-            output_token_ids=request.output_token_ids + drafts if params.has_penalties else (),
-            prompt_token_ids=request.spec.prompt_token_ids if params.repetition_penalty != 1.0 else (),
-            draft_token_id=draft,
-        )  # fmt: skip
-
-    def _score_targets(self, request: RequestState, start: int, end: int) -> tuple[int, tuple[int, ...], int]:
-        """Prompt logprobs: position p predicts prompt token p + 1; score the ones still missing."""
-        scores = request.prompt_scores
-        if scores is None or len(scores) >= request.num_prompt_tokens:
-            return 0, (), 0
-        first = max(start, len(scores) - 1)  # the first source position still to score
-        last = min(end, request.num_prompt_tokens - 1)
-        targets = request.spec.prompt_token_ids[first + 1 : last + 1]
-        return first - start, tuple(targets), request.spec.num_prompt_logprobs or 0
+        return scheduled_request(request, num_new, self.kv.block_ids(request.request_id))
 
     # --- one step: update ------------------------------------------------------------------------
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from pegaserve.engine.request import SamplingParams
-from pegaserve.engine.sampler import SamplingRow, argmax_rows, log_normalizers, sample
+from pegaserve.engine.sampler import SamplingRow, sample
+from pegaserve.engine.sampling_passes import argmax_rows, log_normalizers
 
 EOS = 151645
 RUNNER_UP = 65  # the scripted model's runner-up token ("b")

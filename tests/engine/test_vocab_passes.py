@@ -8,13 +8,13 @@ import math
 import pytest
 import torch
 
-from pegaserve.engine import cpu_kernels, sampler, vocab_passes
+from pegaserve.engine import cpu_kernels, sampler, sampling_filters, sampling_passes, vocab_passes
 from pegaserve.engine.request import SamplingParams
 from pegaserve.engine.sampler import SamplingRow
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.has_avx512(), reason="this CPU lacks AVX-512 F/BW/VL: the kernel cannot run (torch's path is used)")
-FLOOR, CELL, BUCKETS = sampler._FLOOR, sampler._CELL, sampler._TOP_P_BUCKETS
+FLOOR, CELL, BUCKETS = sampling_passes._FLOOR, sampling_passes._CELL, sampling_passes._TOP_P_BUCKETS
 
 
 def test_the_kernel_builds_and_loads():
@@ -51,12 +51,12 @@ def test_cell_masses_match_the_torch_path(vocab, bounded, monkeypatch):
     x = logits(4, vocab, seed=vocab, scale=6.0)
     x[1, ::3] = float("-inf")
     shift = x.amax(-1, keepdim=True)
-    scale = torch.tensor([[1.0], [2.0], [0.3], [50.0]]) * sampler._LOG2_E
+    scale = torch.tensor([[1.0], [2.0], [0.3], [50.0]]) * sampling_passes._LOG2_E
     lower = torch.tensor([[float("-inf")], [0.0], [2.0], [float("-inf")]]) if bounded else None
     rows = torch.tensor([3, 2, 1, 0])
     found = vocab_passes.cell_masses(x, shift, scale, rows, lower, FLOOR, CELL)
     monkeypatch.setattr(vocab_passes, "_library", lambda: None)
-    expected = sampler._cell_masses(x, shift, scale, rows, lower)
+    expected = sampling_passes._cell_masses(x, shift, scale, rows, lower)
     torch.testing.assert_close(found, expected, rtol=2e-6, atol=0.0)
 
 
@@ -66,12 +66,12 @@ def test_top_p_bounds_equal_the_torch_paths(p, temperature, monkeypatch):
     x = logits(6, 151936, seed=int(p * 1000), scale=4.0)
     x[5, 10:20] = x[5].max() + 5  # a run of equal best tokens
     shift = x.amax(-1, keepdim=True)
-    scale = torch.full((6, 1), sampler._LOG2_E / temperature)
+    scale = torch.full((6, 1), sampling_passes._LOG2_E / temperature)
     lower = torch.full((6, 1), float("-inf"))
     lower[2] = x[2].kthvalue(151936 - 40).values  # top-k came first
-    found = sampler._top_p_bound(x, None, shift, scale, lower, [p] * 6)
+    found = sampling_filters._top_p_bound(x, None, shift, scale, lower, [p] * 6)
     monkeypatch.setattr(vocab_passes, "_library", lambda: None)
-    assert torch.equal(found, sampler._top_p_bound(x, None, shift, scale, lower, [p] * 6))
+    assert torch.equal(found, sampling_filters._top_p_bound(x, None, shift, scale, lower, [p] * 6))
 
 
 PARAMS = [{"temperature": 0.0}, {"temperature": 1.0}, {"temperature": 0.7}, {"top_p": 0.9}, {"top_k": 40},

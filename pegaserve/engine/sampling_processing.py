@@ -1,0 +1,75 @@
+"""The sampler's processing of logits before temperature, in vLLM's order (sampler.py's docstring):
+logit_bias, repetition, frequency and presence penalties, then the min_tokens mask. Each phase is batched
+over the rows that use it, and a no-op when none do; all of them write into the rows' own copy.
+"""
+
+from __future__ import annotations
+
+import array
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from pegaserve.engine.sampler import SamplingRow
+
+
+def _edit(work: torch.Tensor, rows: list[SamplingRow]) -> None:
+    _add_bias(work, rows)
+    _apply_penalties(work, rows)
+    _mask(work, rows)
+
+
+def _add_bias(work: torch.Tensor, rows: list[SamplingRow]) -> None:
+    biased = [(j, row.params.logit_bias) for j, row in enumerate(rows) if row.params.logit_bias]
+    if biased:
+        index = _flat_index(work.shape[1], [(j, [t for t, _ in bias]) for j, bias in biased])
+        values = torch.tensor([b for _, bias in biased for _, b in bias], dtype=work.dtype)
+        work.view(-1).index_put_((index,), values, accumulate=True)
+
+
+def _mask(work: torch.Tensor, rows: list[SamplingRow]) -> None:
+    masked = [(j, row.masked_token_ids) for j, row in enumerate(rows) if row.masked_token_ids]
+    if masked:
+        work.view(-1).index_fill_(0, _flat_index(work.shape[1], masked), float("-inf"))
+
+
+def _apply_penalties(work: torch.Tensor, rows: list[SamplingRow]) -> None:
+    vocab, flat = work.shape[1], work.view(-1)
+    repeated = [(j, row) for j, row in enumerate(rows) if row.params.repetition_penalty != 1.0]
+    if repeated:
+        # A token seen twice is read twice and written twice with the same value: no need to dedupe.
+        index = _flat_index(vocab, [(j, row.prompt_token_ids + row.output_token_ids) for j, row in repeated])
+        penalty = torch.tensor([row.params.repetition_penalty for row in rows], dtype=work.dtype)[index // vocab]
+        values = flat[index]
+        flat[index] = torch.where(values > 0, values / penalty, values * penalty)
+    counted = [
+        (j, row.output_token_ids)
+        for j, row in enumerate(rows)
+        if (row.params.frequency_penalty != 0.0 or row.params.presence_penalty != 0.0) and row.output_token_ids
+    ]
+    if counted:
+        index, counts = _flat_index(vocab, counted).unique(return_counts=True)
+        row_of = index // vocab
+        frequency = torch.tensor([row.params.frequency_penalty for row in rows], dtype=work.dtype)[row_of]
+        presence = torch.tensor([row.params.presence_penalty for row in rows], dtype=work.dtype)[row_of]
+        flat.index_add_(0, index, -(frequency * counts + presence))
+
+
+def _flat_index(vocab: int, id_lists: Iterable[tuple[int, Iterable[int]]]) -> torch.Tensor:
+    """Indices into a flattened contiguous `[rows, vocab]` tensor of each (row, token ids)."""
+    row_ids, parts = [], []
+    for j, token_ids in id_lists:
+        row_ids.append(j)
+        parts.append(_id_tensor(token_ids))
+    ids = torch.cat(parts)
+    assert not ids.numel() or (int(ids.min()) >= 0 and int(ids.max()) < vocab), "token id outside the vocabulary"
+    offsets = torch.tensor(row_ids) * vocab
+    return ids + offsets.repeat_interleave(torch.tensor([len(p) for p in parts]))
+
+
+def _id_tensor(token_ids: Iterable[int]) -> torch.Tensor:
+    # through an array: ~4x faster than torch.tensor() on a tuple of a long prompt's ids
+    ids = array.array("q", token_ids)
+    return torch.frombuffer(ids, dtype=torch.long) if ids else torch.empty(0, dtype=torch.long)
