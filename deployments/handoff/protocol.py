@@ -56,12 +56,14 @@ class PairOffer:
 class Fetch:
     """Send the prompt's blocks from `first_block` on (decode has the ones before in its cache) for
     the choices `choice_ids` (the ledger's keys: the request id itself when it has one choice).
-    `copy_shared`: decode copies them itself out of the shared cache, then says `Copied`."""
+    `copy_shared`: decode copies them itself out of the shared cache, then says `Copied`; otherwise
+    they travel over the pair channel into decode's blocks `target_block_ids`."""
 
     request_id: str
     first_block: int
     choice_ids: tuple[str, ...]
     copy_shared: bool = False
+    target_block_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,7 @@ class FetchReply:
     ok: bool
     reason: str = ""
     kv_bytes: int = 0
-    block_ids: tuple[int, ...] = ()  # copy_shared: where the blocks are in the shared cache
+    block_ids: tuple[int, ...] = ()  # where the blocks are in the prefill engine's cache
 
 
 @dataclass(frozen=True)

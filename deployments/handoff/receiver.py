@@ -13,10 +13,10 @@ recomputes its prompt.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import OrderedDict, defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import ray
@@ -27,7 +27,7 @@ from deployments.handoff.protocol import Copied, Fetch, FetchReply, Lease, OpenP
 from deployments.handoff.transports import GlooPair, NcclPair, PairChannel, Staging, kv_from_bytes
 from pegaserve.engine.async_engine import AsyncEngine
 from pegaserve.engine.core_process import map_kv_file
-from pegaserve.engine.runner import copy_blocks, unpack_blocks, unpack_layer
+from pegaserve.engine.runner import copy_blocks, unpack_blocks
 from pegaserve.engine.scheduler import ReceiveTarget
 
 log = logging.getLogger("ray.serve")
@@ -121,18 +121,15 @@ class KvReceiver:
         return reply.kv_bytes if held.ok else None
 
     async def _pull(self, peer: _Peer, fetch: Fetch, lease: Lease, target: ReceiveTarget) -> int | None:
-        """Fetch over the pair channel, each layer written into the cache as it arrives."""
+        """Fetch over the pair channel, written into the target blocks as it arrives."""
         await self._open_pair(peer, lease)
-        cache = self.engine.kv_cache
-        peer.connection.send(fetch)
+        peer.connection.send(dataclasses.replace(fetch, target_block_ids=tuple(target.block_ids)))
         reply = await self._reply(peer)
         if not reply.ok:
             return None
-        buffer = peer.staging.take(lease.shape_from(target.first_block), getattr(torch, lease.kv_dtype), cache.device)
-        index = torch.tensor(target.block_ids, device=cache.device)
-        unpack: Callable[[int, torch.Tensor], None] = lambda layer, part: unpack_layer(cache, layer, index, part)  # noqa: E731
-        await _finish(asyncio.to_thread(peer.pair.recv_layers, buffer, unpack))
-        return buffer.numel() * buffer.element_size()
+        await _finish(asyncio.to_thread(peer.pair.recv_blocks, self.engine.kv_cache, reply.block_ids,
+                                        target.block_ids, peer.staging))
+        return reply.kv_bytes
 
     @staticmethod
     async def _reply(peer: _Peer) -> FetchReply:

@@ -15,7 +15,6 @@ import logging
 import time
 
 import ray
-import torch
 
 from deployments.channel import Address, Connection, Listener
 from deployments.handoff.protocol import (
@@ -32,7 +31,7 @@ from deployments.handoff.transports import GlooPair, NcclPair, PairChannel, Stag
 from pegaserve.engine import core
 from pegaserve.engine.async_engine import AsyncEngine
 from pegaserve.engine.request import EngineRequest
-from pegaserve.engine.runner import pack_blocks, pack_layer
+from pegaserve.engine.runner import pack_blocks
 from pegaserve.ledger import KvSent
 
 log = logging.getLogger("ray.serve")
@@ -131,17 +130,20 @@ class KvSender:
         if block_ids is None or pair is None:
             connection.send(FetchReply(False, "lease expired or unknown" if block_ids is None else "no pair channel"))
             return pair is not None
+        source_ids = tuple(block_ids[fetch.first_block :])
+        if len(source_ids) != len(fetch.target_block_ids):
+            connection.send(FetchReply(False, f"{len(source_ids)} blocks to send, {len(fetch.target_block_ids)} to fill"))
+            self.engine.release(fetch.request_id)
+            return True
         try:
             if self.delay_send_s:
                 await asyncio.sleep(self.delay_send_s)
             cache = self.engine.kv_cache
-            index = torch.tensor(block_ids[fetch.first_block :], device=cache.device)
-            buffer = staging.take((cache.shape[0], 2, len(index), *cache.shape[3:]), cache.dtype, cache.device)
-            kv_bytes = buffer.numel() * buffer.element_size()
-            connection.send(FetchReply(True, kv_bytes=kv_bytes))
+            kv_bytes = len(source_ids) * cache[:, :, 0].numel() * cache.element_size()
+            connection.send(FetchReply(True, kv_bytes=kv_bytes, block_ids=source_ids))
             # shielded: once announced, the send completes even if this replica is told to stop,
             # so the pair's two sides never disagree about what was sent
-            send = asyncio.to_thread(pair.send_layers, buffer, lambda layer, out: pack_layer(cache, layer, index, out))
+            send = asyncio.to_thread(pair.send_blocks, cache, source_ids, fetch.target_block_ids, staging)
             await asyncio.shield(asyncio.wait_for(send, self.timeout_s))
         except Exception:
             log.exception("KV send of %s failed", fetch.request_id)

@@ -7,8 +7,11 @@ one peer for life). `nccl` (GPUs) goes through `ray.util.collective` (cupy). `ob
 packs the prompt into the Ray object store at prefill time; the lease carries the reference.
 
 Pair channels block: callers run them in a worker thread, one transfer at a time per pair, in the
-order of their connection's messages. A transfer moves the prompt's KV layer by layer: gloo sends a
-layer while the next is packed, and the receiver unpacks a layer while the next arrives.
+order of their connection's messages. Both sides know both block lists (the fetch names decode's
+blocks, the reply prefill's), so they cut a transfer into the same messages: where the blocks lie in
+runs in both caches, each run of each layer's K or V is one contiguous slab sent straight from
+prefill's cache into decode's, nothing packed; otherwise the blocks are packed layer by layer, a
+layer travelling while the next is packed and unpacked while the next arrives.
 """
 
 from __future__ import annotations
@@ -16,35 +19,93 @@ from __future__ import annotations
 import datetime
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Iterator, Sequence
+from typing import Protocol
 
 import numpy as np
 import ray
 import torch
 
-Layer = Callable[[int, torch.Tensor], None]  # (layer, that layer's part of the buffer)
+from pegaserve.engine.runner import Run, block_runs, pack_layer, unpack_layer
+
+MIN_SLAB_BYTES = 256 << 10  # below, a message's fixed cost (~30 us on loopback gloo) outweighs the copies it saves
+
+
+class Work(Protocol):
+    def wait(self) -> object: ...
+
+
+class _Done:
+    """A blocking transport's handle: the transfer is over when it is returned."""
+
+    def wait(self) -> None:
+        return None
 
 
 class PairChannel(ABC):
-    """Prefill is rank 0 and sends; decode is rank 1 and receives."""
+    """Prefill is rank 0 and sends; decode is rank 1 and receives. Messages of one transfer carry
+    distinct tags; each side waits for all of them before the next transfer."""
 
     @abstractmethod
-    def send(self, tensor: torch.Tensor) -> None: ...
+    def post_send(self, tensor: torch.Tensor, tag: int) -> Work: ...
 
     @abstractmethod
-    def recv(self, tensor: torch.Tensor) -> None: ...
+    def post_recv(self, tensor: torch.Tensor, tag: int) -> Work: ...
 
-    def send_layers(self, buffer: torch.Tensor, pack: Layer) -> None:
-        """Send `buffer` ([layers, ...], contiguous), each layer filled by `pack` first."""
-        for layer in range(buffer.shape[0]):
-            pack(layer, buffer[layer])
-        self.send(buffer)
+    def send_blocks(self, cache: torch.Tensor, source_ids: Sequence[int], target_ids: Sequence[int],
+                    staging: Staging) -> None:
+        """Send `cache[:, :, source_ids]` to the peer's `recv_blocks` into its `target_ids`."""
+        runs = slab_runs(cache, source_ids, target_ids)
+        if runs is not None:
+            works = [self.post_send(slab, tag) for tag, slab in enumerate(_slabs(cache, runs, side=0))]
+        else:
+            index = torch.tensor(list(source_ids), device=cache.device)
+            buffer = staging.take(_packed_shape(cache, len(index)), cache.dtype, cache.device)
+            works = []  # each layer travels while the next is packed
+            for layer in range(cache.shape[0]):
+                pack_layer(cache, layer, index, buffer[layer])
+                works.append(self.post_send(buffer[layer], layer))
+        for work in works:
+            work.wait()
 
-    def recv_layers(self, buffer: torch.Tensor, unpack: Layer) -> None:
-        """Receive into `buffer` ([layers, ...], contiguous), handing each layer to `unpack`."""
-        self.recv(buffer)
-        for layer in range(buffer.shape[0]):
-            unpack(layer, buffer[layer])
+    def recv_blocks(self, cache: torch.Tensor, source_ids: Sequence[int], target_ids: Sequence[int],
+                    staging: Staging) -> None:
+        """Receive the peer's `send_blocks` into `cache[:, :, target_ids]`."""
+        runs = slab_runs(cache, source_ids, target_ids)
+        if runs is not None:
+            for work in [self.post_recv(slab, tag) for tag, slab in enumerate(_slabs(cache, runs, side=1))]:
+                work.wait()
+            return
+        index = torch.tensor(list(target_ids), device=cache.device)
+        buffer = staging.take(_packed_shape(cache, len(index)), cache.dtype, cache.device)
+        works = [self.post_recv(buffer[layer], layer) for layer in range(cache.shape[0])]
+        for layer, work in enumerate(works):
+            work.wait()
+            unpack_layer(cache, layer, index, buffer[layer])
+
+
+def slab_runs(cache: torch.Tensor, source_ids: Sequence[int], target_ids: Sequence[int]) -> list[Run] | None:
+    """The runs the blocks lie in in both caches, when they are long enough to travel as slabs."""
+    if len(source_ids) != len(target_ids):
+        raise ValueError(f"{len(source_ids)} blocks sent into {len(target_ids)}")
+    if not source_ids:
+        return []
+    runs = list(block_runs(list(source_ids), list(target_ids)))
+    slab_bytes = len(source_ids) * cache[0, 0, 0].numel() * cache.element_size() // len(runs)
+    return runs if slab_bytes >= MIN_SLAB_BYTES else None
+
+
+def _slabs(cache: torch.Tensor, runs: list[Run], side: int) -> Iterator[torch.Tensor]:
+    """Per run, per layer, K then V: the run's blocks, contiguous (`side` 0: source ids, 1: target)."""
+    flat = cache.view(cache.shape[0] * 2, cache.shape[2], -1)  # [layers * 2, num_blocks, block elements]
+    for run in runs:
+        first, width = run[side], run[2]
+        for slab in range(flat.shape[0]):
+            yield flat[slab, first : first + width]
+
+
+def _packed_shape(cache: torch.Tensor, num_blocks: int) -> tuple[int, ...]:
+    return (cache.shape[0], 2, num_blocks, *cache.shape[3:])
 
 
 class Staging:
@@ -80,24 +141,16 @@ class GlooPair(PairChannel):
         return torch.distributed.TCPStore(host, port, 2, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
 
     def send(self, tensor: torch.Tensor) -> None:
-        self._group.send([tensor], self._peer, 0).wait()
+        self.post_send(tensor, 0).wait()
 
     def recv(self, tensor: torch.Tensor) -> None:
-        self._group.recv([tensor], self._peer, 0).wait()
+        self.post_recv(tensor, 0).wait()
 
-    def send_layers(self, buffer: torch.Tensor, pack: Layer) -> None:
-        works = []  # gloo sends each layer from its own threads while this one packs the next
-        for layer in range(buffer.shape[0]):
-            pack(layer, buffer[layer])
-            works.append(self._group.send([buffer[layer]], self._peer, layer))
-        for work in works:
-            work.wait()
+    def post_send(self, tensor: torch.Tensor, tag: int) -> Work:
+        return self._group.send([tensor], self._peer, tag)  # gloo sends it from its own threads
 
-    def recv_layers(self, buffer: torch.Tensor, unpack: Layer) -> None:
-        works = [self._group.recv([buffer[layer]], self._peer, layer) for layer in range(buffer.shape[0])]
-        for layer, work in enumerate(works):
-            work.wait()
-            unpack(layer, buffer[layer])
+    def post_recv(self, tensor: torch.Tensor, tag: int) -> Work:
+        return self._group.recv([tensor], self._peer, tag)
 
 
 class NcclPair(PairChannel):
@@ -109,11 +162,13 @@ class NcclPair(PairChannel):
         self._peer = 1 - rank
         collective.init_collective_group(2, rank, backend="nccl", group_name=group_name)
 
-    def send(self, tensor: torch.Tensor) -> None:
-        self._collective.send(tensor, self._peer, self._name)
+    def post_send(self, tensor: torch.Tensor, tag: int) -> Work:
+        self._collective.send(tensor, self._peer, self._name)  # in order, so the tag is not needed
+        return _Done()
 
-    def recv(self, tensor: torch.Tensor) -> None:
+    def post_recv(self, tensor: torch.Tensor, tag: int) -> Work:
         self._collective.recv(tensor, self._peer, self._name)
+        return _Done()
 
 
 def kv_as_bytes(kv: torch.Tensor) -> np.ndarray:

@@ -157,7 +157,10 @@ def copy_blocks(source: torch.Tensor, source_ids: list[int], target: torch.Tenso
         flat_target[:, first_target : first_target + width].copy_(flat_source[:, first_source : first_source + width])
 
 
-def block_runs(source_ids: list[int], target_ids: list[int]) -> Iterator[tuple[int, int, int]]:
+Run = tuple[int, int, int]  # (lowest source block id, lowest target block id, number of blocks)
+
+
+def block_runs(source_ids: list[int], target_ids: list[int]) -> Iterator[Run]:
     """The stretches where both id lists step by the same +1 or -1, as (lowest source id, lowest
     target id, length): ascending slices of both caches that hold the same blocks in the same order."""
     assert len(source_ids) == len(target_ids), (len(source_ids), len(target_ids))
