@@ -8,6 +8,7 @@ from pathlib import Path
 
 import httpx
 import ray
+import yaml
 from ray import serve
 
 from deployments.colocated import Colocated
@@ -22,6 +23,14 @@ METRICS_PORT = 8124
 BASE = f"http://127.0.0.1:{HTTP_PORT}"
 SMALL = {"num_cpus": 0.1}
 JOURNAL = str(Path(tempfile.mkdtemp(prefix="pegaserve-test-")) / "ledger.jsonl")
+CLUSTER_YAML = Path(__file__).parents[2] / "configs" / "cluster.yaml"
+
+
+def cluster_limits() -> dict[str, int]:
+    """configs/cluster.yaml's max_ongoing_requests per deployment (Serve's default of 5 per replica
+    would queue the rest of a test's concurrent requests before they reach a decode replica)."""
+    (app,) = yaml.safe_load(CLUSTER_YAML.read_text())["applications"]
+    return {d["name"]: d["max_ongoing_requests"] for d in app["deployments"]}
 
 
 def start_ray(**init_kwargs) -> None:
@@ -37,9 +46,8 @@ def deploy(name: str, args: dict, num_prefill: int = 1, num_decode: int = 1, act
     """Deploy one pegaserve app at /<name>; returns its base URL. `doubles` (the keywords of
     `pegaserve.testing.hook.as_env`) puts test doubles into the engine replicas."""
     plain = AppArgs.model_validate({"ledger_journal": JOURNAL, **args}).model_dump(mode="json")
-    # configs/cluster.yaml's limits (Serve's default of 5 ongoing requests per replica would queue
-    # the rest of a test's concurrent requests before they reach a decode replica)
-    ingress = Ingress.options(ray_actor_options=actor_options, max_ongoing_requests=256)
+    limits = cluster_limits()
+    ingress = Ingress.options(ray_actor_options=actor_options, max_ongoing_requests=limits["Ingress"])
 
     def engine_options(options: dict | None) -> dict:
         options = dict(options or actor_options)
@@ -48,13 +56,14 @@ def deploy(name: str, args: dict, num_prefill: int = 1, num_decode: int = 1, act
         return options
 
     if plain["mode"] == "colocated":
-        colocated = Colocated.options(ray_actor_options=engine_options(None), max_ongoing_requests=128)
+        colocated = Colocated.options(ray_actor_options=engine_options(None),
+                                      max_ongoing_requests=limits["Decode"])  # it decodes: Decode's limit
         app = ingress.bind(plain, colocated=colocated.bind(plain))
     else:
         prefill = Prefill.options(num_replicas=num_prefill, ray_actor_options=engine_options(prefill_options),
-                                  max_ongoing_requests=128)
+                                  max_ongoing_requests=limits["Prefill"])
         decode = Decode.options(num_replicas=num_decode, ray_actor_options=engine_options(decode_options),
-                                max_ongoing_requests=128)
+                                max_ongoing_requests=limits["Decode"])
         app = ingress.bind(plain, prefill=prefill.bind(plain), decode=decode.bind(plain))
     serve.run(app, name=name, route_prefix=f"/{name}")
     url = f"{BASE}/{name}"
