@@ -31,10 +31,11 @@ class Lease:
     kv_ref: list | None = None  # object store: [ObjectRef] of the packed prompt (wrapped: Ray must not resolve it)
     shared: SharedCache | None = None  # shm: where a decode replica of the same node maps the prefill's cache
 
-    def shape_from(self, first_block: int) -> tuple[int, ...]:
-        shape = list(self.kv_shape)
-        shape[2] -= first_block
-        return tuple(shape)
+    def fits(self, cache_shape: tuple[int, ...], cache_dtype: str) -> bool:
+        """Whether the prompt's blocks have the layout of a cache of this shape and dtype (a pair
+        channel moves raw bytes straight into the cache)."""
+        layout = (*self.kv_shape[:2], *self.kv_shape[3:])
+        return (layout, self.kv_dtype) == ((*cache_shape[:2], *cache_shape[3:]), cache_dtype)
 
 
 @dataclass(frozen=True)

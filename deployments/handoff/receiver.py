@@ -122,13 +122,16 @@ class KvReceiver:
 
     async def _pull(self, peer: _Peer, fetch: Fetch, lease: Lease, target: ReceiveTarget) -> int | None:
         """Fetch over the pair channel, written into the target blocks as it arrives."""
+        cache = self.engine.kv_cache
+        if not lease.fits(tuple(cache.shape), str(cache.dtype).removeprefix("torch.")):
+            raise ValueError(f"the prompt's KV ({lease.kv_dtype} {lease.kv_shape}) does not fit this cache")
         await self._open_pair(peer, lease)
         peer.connection.send(dataclasses.replace(fetch, target_block_ids=tuple(target.block_ids)))
         reply = await self._reply(peer)
         if not reply.ok:
             return None
-        await _finish(asyncio.to_thread(peer.pair.recv_blocks, self.engine.kv_cache, reply.block_ids,
-                                        target.block_ids, peer.staging))
+        await _finish(asyncio.to_thread(peer.pair.recv_blocks, cache, reply.block_ids, target.block_ids,
+                                        peer.staging))
         return reply.kv_bytes
 
     @staticmethod

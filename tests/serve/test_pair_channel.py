@@ -9,7 +9,9 @@ import threading
 import pytest
 import torch
 
+from deployments.channel import Address
 from deployments.handoff import transports
+from deployments.handoff.protocol import Lease
 from deployments.handoff.transports import GlooPair, Staging, slab_runs
 
 TIMEOUT_S = 30.0
@@ -80,3 +82,14 @@ def test_slabs_below_the_threshold_travel_packed(pair):
 def test_block_counts_must_agree():
     with pytest.raises(ValueError, match="3 blocks sent into 2"):
         slab_runs(cache(1, 0), [1, 2, 3], [4, 5])
+
+
+def test_a_lease_fits_only_a_cache_of_its_layout():
+    """Slabs are raw bytes: decode refuses (and recomputes) a prompt whose KV has another layout."""
+    address = Address("127.0.0.1", 1, "token")
+    lease = Lease("r", "prefill", address, (LAYERS, 2, 5, BLOCK_SIZE, KV_HEADS, HEAD_DIM), "float32", BLOCK_BYTES)
+    shape = tuple(cache(30, 0).shape)
+    assert lease.fits(shape, "float32")
+    assert not lease.fits(shape, "bfloat16")
+    assert not lease.fits((LAYERS + 1, *shape[1:]), "float32")
+    assert not lease.fits((*shape[:3], BLOCK_SIZE * 2, *shape[4:]), "float32")
