@@ -27,7 +27,15 @@ from deployments.handoff.protocol import (
     ReleaseLease,
     SharedCache,
 )
-from deployments.handoff.transports import GlooPair, NcclPair, PairChannel, Staging, kv_as_bytes
+from deployments.handoff.transports import (
+    GlooPair,
+    NcclPair,
+    PairChannel,
+    Staging,
+    block_bytes,
+    kv_as_bytes,
+    packed_shape,
+)
 from pegaserve.engine import core
 from pegaserve.engine.async_engine import AsyncEngine
 from pegaserve.engine.request import EngineRequest
@@ -76,9 +84,8 @@ class KvSender:
             self.engine.release(request.request_id)  # its ingress gave up while it was being prefilled
         cache = self.engine.kv_cache
         num_blocks = -(-len(request.prompt_token_ids) // cache.shape[3])
-        shape = (cache.shape[0], 2, num_blocks, *cache.shape[3:])
+        shape = packed_shape(cache, num_blocks)
         dtype = str(cache.dtype).removeprefix("torch.")
-        block_bytes = cache[:, :, 0].numel() * cache.element_size()
         kv_ref = None
         if self.transport == "object_store":
             try:
@@ -92,7 +99,8 @@ class KvSender:
         shared = None
         if self.transport == "shm" and self.engine.kv_path is not None:
             shared = SharedCache(ray.get_runtime_context().get_node_id(), self.engine.kv_path, tuple(cache.shape))
-        return Lease(request.request_id, self.name, self.address, shape, dtype, block_bytes, kv_ref, shared)
+        return Lease(request.request_id, self.name, self.address, shape, dtype, block_bytes(cache), kv_ref,
+                     shared)
 
     async def _serve(self, connection: Connection) -> None:
         """One peer's messages, in order."""
@@ -139,7 +147,7 @@ class KvSender:
             if self.delay_send_s:
                 await asyncio.sleep(self.delay_send_s)
             cache = self.engine.kv_cache
-            kv_bytes = len(source_ids) * cache[:, :, 0].numel() * cache.element_size()
+            kv_bytes = len(source_ids) * block_bytes(cache)
             connection.send(FetchReply(True, kv_bytes=kv_bytes, block_ids=source_ids))
             # shielded: once announced, the send completes even if this replica is told to stop,
             # so the pair's two sides never disagree about what was sent
@@ -165,7 +173,7 @@ class KvSender:
             connection.send(FetchReply(False, "lease expired or unknown"))
             return True
         shared = tuple(block_ids[fetch.first_block :])
-        kv_bytes = len(shared) * self.engine.kv_cache[:, :, 0].numel() * self.engine.kv_cache.element_size()
+        kv_bytes = len(shared) * block_bytes(self.engine.kv_cache)
         connection.send(FetchReply(True, kv_bytes=kv_bytes, block_ids=shared))
         try:
             done = await asyncio.wait_for(connection.recv(), self.timeout_s)

@@ -60,7 +60,7 @@ class PairChannel(ABC):
             works = [self.post_send(slab, tag) for tag, slab in enumerate(_slabs(cache, runs, side=0))]
         else:
             index = torch.tensor(list(source_ids), device=cache.device)
-            buffer = staging.take(_packed_shape(cache, len(index)), cache.dtype, cache.device)
+            buffer = staging.take(packed_shape(cache, len(index)), cache.dtype, cache.device)
             works = []  # each layer travels while the next is packed
             for layer in range(cache.shape[0]):
                 pack_layer(cache, layer, index, buffer[layer])
@@ -77,7 +77,7 @@ class PairChannel(ABC):
                 work.wait()
             return
         index = torch.tensor(list(target_ids), device=cache.device)
-        buffer = staging.take(_packed_shape(cache, len(index)), cache.dtype, cache.device)
+        buffer = staging.take(packed_shape(cache, len(index)), cache.dtype, cache.device)
         works = [self.post_recv(buffer[layer], layer) for layer in range(cache.shape[0])]
         for layer, work in enumerate(works):
             work.wait()
@@ -95,6 +95,11 @@ def slab_runs(cache: torch.Tensor, source_ids: Sequence[int], target_ids: Sequen
     return runs if slab_bytes >= MIN_SLAB_BYTES else None
 
 
+def block_bytes(cache: torch.Tensor) -> int:
+    """One block across every layer, K and V."""
+    return cache[:, :, 0].numel() * cache.element_size()
+
+
 def _slabs(cache: torch.Tensor, runs: list[Run], side: int) -> Iterator[torch.Tensor]:
     """Per run, per layer, K then V: the run's blocks, contiguous (`side` 0: source ids, 1: target)."""
     flat = cache.view(cache.shape[0] * 2, cache.shape[2], -1)  # [layers * 2, num_blocks, block elements]
@@ -104,7 +109,8 @@ def _slabs(cache: torch.Tensor, runs: list[Run], side: int) -> Iterator[torch.Te
             yield flat[slab, first : first + width]
 
 
-def _packed_shape(cache: torch.Tensor, num_blocks: int) -> tuple[int, ...]:
+def packed_shape(cache: torch.Tensor, num_blocks: int) -> tuple[int, ...]:
+    """`num_blocks` of `cache` packed: [layers, 2, num_blocks, block_size, kv_heads, head_dim]."""
     return (cache.shape[0], 2, num_blocks, *cache.shape[3:])
 
 
