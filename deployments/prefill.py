@@ -48,7 +48,7 @@ class Prefill:
                             for o in outputs if o.tokens])
         lease = None
         if any(o.finish is None for o in outputs):
-            lease = await self.sender.lease(request)
+            lease = await self.sender.lease(request, outputs)
         return PrefillResult(outputs, self.name, lease)
 
     async def check_health(self) -> None:

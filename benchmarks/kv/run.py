@@ -11,7 +11,7 @@ handoff shows in the time to the *second* token; both are reported.
 
 Writes docs/bench/kv.json and docs/bench/KV.md.
 
-    python -m benchmarks.kv [--lengths 128,512,2048] [--repeats 5]
+    python -m benchmarks.kv [--lengths 128,512,2048] [--repeats 5] [--transports shm,gloo,object_store]
 """
 
 from __future__ import annotations
@@ -125,6 +125,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="prompt lengths in tokens")
     parser.add_argument("--repeats", type=int, default=REPEATS, help="timed requests per length and app")
+    parser.add_argument("--transports", default=",".join(TRANSPORTS), help="the P/D apps' transports")
+    parser.add_argument("--no-colocated", action="store_true", help="skip the colocated app (no TTFT comparison)")
     parser.add_argument("--out", type=Path, default=DOCS_DIR)
     args = parser.parse_args(argv)
 
@@ -132,17 +134,19 @@ def main(argv: list[str] | None = None) -> None:
     from benchmarks.local_serve import LocalServe  # noqa: PLC0415
 
     lengths = [int(n) for n in args.lengths.split(",")]
+    transports = args.transports.split(",")
     started = time.perf_counter()
     apps: dict[str, dict[int, list[Sample]]] = {}
     raw: dict[str, list] = {}
     with LocalServe() as local:
-        for name, mode, transport in (*((f"pd-{t}", "pd", t) for t in TRANSPORTS), ("colocated", "colocated", "gloo")):
+        colocated = () if args.no_colocated else (("colocated", "colocated", "gloo"),)
+        for name, mode, transport in (*((f"pd-{t}", "pd", t) for t in transports), *colocated):
             url = local.deploy(name, {"model": MODEL, "mode": mode, "transport": transport, "ledger_journal": None})
             apps[name] = asyncio.run(run_prompts(url, lengths, args.repeats, read_ledger=mode == "pd"))
             local.delete(name)
             _print_app(name, apps[name])
-        for transport in sorted({RAW_OF.get(t, t) for t in TRANSPORTS}):
-            sizes = sorted({s.kv_bytes for t in TRANSPORTS if RAW_OF.get(t, t) == transport
+        for transport in sorted({RAW_OF.get(t, t) for t in transports}):
+            sizes = sorted({s.kv_bytes for t in transports if RAW_OF.get(t, t) == transport
                             for samples in apps[f"pd-{t}"].values() for s in samples if s.kv_bytes})
             raw[transport] = raw_bandwidth(transport, sizes)
             for figure in raw[transport]:

@@ -1,12 +1,18 @@
 """The handoff's messages. A `Lease` travels prefill -> ingress -> decode in ordinary Serve calls;
 the rest travel on the direct connection between a decode and a prefill replica, one exchange at a
-time, so the blocking send/recv of a pair channel happen in the same order on both sides."""
+time, so the blocking send/recv of a pair channel happen in the same order on both sides.
+
+Nothing in a handoff waits for the prefill engine's loop (which answers only between steps, and a
+long prompt's step takes hundreds of ms): the lease names the blocks, their generations and its
+expiry (`ParkedKv`), the bytes are read straight from the engine's cache, and a read is the
+prompt's KV if, once it is over, the lease had not expired and no block was handed out anew."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from deployments.channel import Address
+from pegaserve.engine.request import ParkedKv
 
 
 @dataclass(frozen=True)
@@ -28,6 +34,7 @@ class Lease:
     kv_shape: tuple[int, ...]  # the whole prompt, packed: [layers, 2, blocks, block_size, kv_heads, head_dim]
     kv_dtype: str
     block_bytes: int  # one block across every layer, K and V
+    parked: ParkedKv  # where the prompt's blocks lie in the prefill engine's cache, and for how long
     kv_ref: list | None = None  # object store: [ObjectRef] of the packed prompt (wrapped: Ray must not resolve it)
     shared: SharedCache | None = None  # shm: where a decode replica of the same node maps the prefill's cache
 
@@ -55,16 +62,16 @@ class PairOffer:
 
 @dataclass(frozen=True)
 class Fetch:
-    """Send the prompt's blocks from `first_block` on (decode has the ones before in its cache) for
-    the choices `choice_ids` (the ledger's keys: the request id itself when it has one choice).
-    `copy_shared`: decode copies them itself out of the shared cache, then says `Copied`; otherwise
-    they travel over the pair channel into decode's blocks `target_block_ids`."""
+    """Send the lease's blocks `source_block_ids` (those decode does not have cached) over the pair
+    channel into decode's `target_block_ids`, for the choices `choice_ids` (the ledger's keys: the
+    request id itself when it has one choice). Decode has posted its receives already; prefill
+    sends at once and, once its reads are over, answers whether they were the prompt's."""
 
     request_id: str
-    first_block: int
     choice_ids: tuple[str, ...]
-    copy_shared: bool = False
-    target_block_ids: tuple[int, ...] = ()
+    parked: ParkedKv
+    source_block_ids: tuple[int, ...]
+    target_block_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -72,15 +79,18 @@ class FetchReply:
     ok: bool
     reason: str = ""
     kv_bytes: int = 0
-    block_ids: tuple[int, ...] = ()  # where the blocks are in the prefill engine's cache
 
 
 @dataclass(frozen=True)
 class Copied:
-    """Decode has copied a `copy_shared` fetch's blocks: prefill frees them and answers a FetchReply
-    saying whether the lease still held them (it may have expired meanwhile)."""
+    """Decode (same node, `shm`) has copied the lease's blocks out of the prefill engine's cache
+    itself; `held`: the copy was the prompt's (otherwise decode recomputes). Prefill frees them."""
 
     request_id: str
+    choice_ids: tuple[str, ...]
+    kv_bytes: int
+    seconds: float
+    held: bool
 
 
 @dataclass(frozen=True)

@@ -2,21 +2,21 @@
 write it into the blocks this replica's engine reserved (only the blocks after the prompt's prefix
 already cached here move).
 
-One connection per prefill replica, one transfer at a time on it. With `shm` and both replicas on
-one node, decode maps the prefill engine's KV cache (a file in shared memory) and copies the blocks
-itself, then tells prefill it may free them; otherwise the bytes travel over the connection's pair
-channel (gloo, nccl), the fetches of a pair in the same order on both sides. A transfer that fails
-or times out drops the connection and the pair (both sides start over), and the request
-recomputes its prompt.
+One connection per prefill replica. With `shm` and both replicas on one node, decode maps the
+prefill engine's KV cache (a file in shared memory), copies the blocks itself, checks them against
+their generations and tells prefill it may free them — no round trip. Otherwise the bytes travel
+over the connection's pair channel (gloo, nccl), one transfer at a time, the fetches of a pair in
+the same order on both sides. A transfer that fails or times out drops the connection and the pair
+(both sides start over), and the request recomputes its prompt.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections import OrderedDict, defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import ray
@@ -58,7 +58,7 @@ class KvReceiver:
     timeout_s: float
     _peers: dict[Address, _Peer] = field(default_factory=dict)
     _locks: dict[Address, asyncio.Lock] = field(default_factory=lambda: defaultdict(asyncio.Lock))
-    _mapped: OrderedDict[str, torch.Tensor] = field(default_factory=OrderedDict)
+    _mapped: OrderedDict[str, tuple[torch.Tensor, Sequence[int]]] = field(default_factory=OrderedDict)
     _generation: int = 0
 
     def transport_for(self, lease: Lease) -> str:
@@ -95,44 +95,45 @@ class KvReceiver:
             packed = kv_from_bytes(data, lease.kv_dtype, lease.kv_shape)[:, :, target.first_block :]
             await asyncio.to_thread(unpack_blocks, self.engine.kv_cache, target.block_ids, packed)
             return packed.numel() * packed.element_size()
-        fetch = Fetch(lease.request_id, target.first_block, choice_ids, copy_shared=transport == "shm")
+        source = lease.parked.block_ids[target.first_block :]
+        if len(source) != len(target.block_ids):
+            raise ValueError(f"{len(source)} blocks leased, {len(target.block_ids)} to fill")
+        if transport == "shm":
+            return await self._copy_shared(lease, source, target, choice_ids)
+        fetch = Fetch(lease.request_id, choice_ids, lease.parked, source, tuple(target.block_ids))
         async with self._locks[lease.address]:  # one transfer per connection at a time
             peer = await self._peer(lease)
             try:
-                if fetch.copy_shared:
-                    return await self._copy_shared(peer, fetch, lease.shared, target)
-                return await self._pull(peer, fetch, lease, target)
+                return await self._pull(peer, fetch, lease)
             except BaseException:
                 self._drop(lease.address)
                 raise
 
-    async def _copy_shared(self, peer: _Peer, fetch: Fetch, shared: SharedCache, target: ReceiveTarget) -> int | None:
-        """Copy the blocks straight out of the prefill engine's cache, then let prefill free them;
-        None (recompute) when the lease did not hold them until the copy was done."""
-        peer.connection.send(fetch)
-        reply = await self._reply(peer)
-        if not reply.ok:
-            return None
-        source = self._map(shared)
-        await _finish(asyncio.to_thread(copy_blocks, source, list(reply.block_ids), self.engine.kv_cache,
-                                        list(target.block_ids)))
-        peer.connection.send(Copied(fetch.request_id))
-        held = await self._reply(peer)  # were the blocks still the lease's throughout the copy?
-        return reply.kv_bytes if held.ok else None
+    async def _copy_shared(self, lease: Lease, source: tuple[int, ...], target: ReceiveTarget,
+                           choice_ids: tuple[str, ...]) -> int | None:
+        """Copy the blocks straight out of the prefill engine's cache; None (recompute) unless they
+        were the prompt's throughout. Prefill only hears that it may free them."""
+        start = time.perf_counter()
+        blocks, generations = self._map(lease.shared)
+        await _with(asyncio.to_thread(copy_blocks, blocks, list(source), self.engine.kv_cache,
+                                      list(target.block_ids)))
+        held = lease.parked.intact(source, generations, time.monotonic())  # one node: the engine's clock is ours
+        kv_bytes = len(source) * lease.block_bytes
+        async with self._locks[lease.address]:
+            peer = await self._peer(lease)
+        peer.connection.send(Copied(lease.request_id, choice_ids, kv_bytes, time.perf_counter() - start, held))
+        return kv_bytes if held else None
 
-    async def _pull(self, peer: _Peer, fetch: Fetch, lease: Lease, target: ReceiveTarget) -> int | None:
-        """Fetch over the pair channel, written into the target blocks as it arrives."""
+    async def _pull(self, peer: _Peer, fetch: Fetch, lease: Lease) -> int | None:
+        """Post the receives straight into the target blocks, then ask for the bytes."""
         cache = self.engine.kv_cache
         if not lease.fits(tuple(cache.shape), str(cache.dtype).removeprefix("torch.")):
             raise ValueError(f"the prompt's KV ({lease.kv_dtype} {lease.kv_shape}) does not fit this cache")
         await self._open_pair(peer, lease)
-        peer.connection.send(dataclasses.replace(fetch, target_block_ids=tuple(target.block_ids)))
-        reply = await self._reply(peer)
-        if not reply.ok:
-            return None
-        await _finish(asyncio.to_thread(peer.pair.recv_blocks, cache, reply.block_ids, target.block_ids,
-                                        peer.staging))
-        return reply.kv_bytes
+        finish = peer.pair.start_recv(cache, fetch.source_block_ids, fetch.target_block_ids, peer.staging)
+        peer.connection.send(fetch)
+        reply = await _with(asyncio.to_thread(finish), self._reply(peer))
+        return reply.kv_bytes if reply.ok else None
 
     @staticmethod
     async def _reply(peer: _Peer) -> FetchReply:
@@ -144,15 +145,16 @@ class KvReceiver:
     def _same_node(self, shared: SharedCache) -> bool:
         return shared.node_id == ray.get_runtime_context().get_node_id()
 
-    def _map(self, shared: SharedCache) -> torch.Tensor:
-        """The prefill engine's cache, mapped once per file (the least recently used unmapped)."""
-        cache = self._mapped.pop(shared.path, None)
-        if cache is None:
-            cache = map_kv_file(shared.path, shared.shape, self.engine.kv_cache.dtype)
+    def _map(self, shared: SharedCache) -> tuple[torch.Tensor, Sequence[int]]:
+        """The prefill engine's cache and its blocks' generations, mapped once per file (the least
+        recently used unmapped)."""
+        mapped = self._mapped.pop(shared.path, None)
+        if mapped is None:
+            mapped = map_kv_file(shared.path, shared.shape, self.engine.kv_cache.dtype)
             while len(self._mapped) >= MAX_MAPPED_CACHES:
                 self._mapped.popitem(last=False)
-        self._mapped[shared.path] = cache
-        return cache
+        self._mapped[shared.path] = mapped
+        return mapped
 
     async def _peer(self, lease: Lease) -> _Peer:
         peer = self._peers.get(lease.address)
@@ -182,12 +184,17 @@ class KvReceiver:
             peer.connection.close()
 
 
-async def _finish(work) -> None:
-    """Await a copy into this replica's cache to its end, even when cancelled meanwhile: its thread
-    writes into blocks the engine reserved, so it must never outlive the fetch."""
-    task = asyncio.ensure_future(work)
+async def _with(writer, answer=None):
+    """`answer`'s result, once `writer` — a copy into this replica's cache — has ended too: its thread
+    writes into blocks the engine reserved, so it must never outlive the fetch, even one that is
+    cancelled or fails meanwhile."""
+    task = asyncio.ensure_future(writer)
     try:
-        await asyncio.shield(task)
-    except asyncio.CancelledError:
-        await asyncio.wait([task])
-        raise
+        result = None if answer is None else await answer
+    finally:
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            await asyncio.wait([task])
+            raise
+    return result

@@ -1,11 +1,11 @@
-"""The prefill side of the handoff: a KV server that decode replicas (fetches) and ingress
-replicas (releases) connect to directly.
+"""The prefill side of the handoff: a KV server that decode replicas (fetches, copies done) and
+ingress replicas (releases) connect to directly.
 
-Leases are the engine's parked requests: the engine keeps their blocks, renews a lease when a
-fetch claims it and frees it when it expires; this server keeps no table of its own. Each
-connection's messages are served strictly in order, so a pair channel's sends happen in the order
-its receiver expects. The blocks are read straight from the KV cache the engine process shares
-with this replica — the engine loop is not asked to copy anything.
+Leases are the engine's parked requests: the engine keeps their blocks until a release or the
+lease's expiry; this server keeps no table of its own. Each connection's messages are served
+strictly in order, so a pair channel's sends happen in the order its receiver expects. The blocks
+are read straight from the KV cache the engine process shares with this replica, and checked
+against their generations once read — the engine loop is neither asked to copy nor to confirm.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from deployments.handoff.transports import (
 )
 from pegaserve.engine import core
 from pegaserve.engine.async_engine import AsyncEngine
-from pegaserve.engine.request import EngineRequest
+from pegaserve.engine.request import EngineRequest, StepOutput
 from pegaserve.engine.runner import pack_blocks
 from pegaserve.ledger import KvSent
 
@@ -76,31 +76,26 @@ class KvSender:
         assert self._listener.address is not None, "start() first"
         return self._listener.address
 
-    async def lease(self, request: EngineRequest) -> Lease:
-        """The lease of a parked request. With the object store, its KV goes there now and the
-        blocks are freed at once; otherwise they stay parked until a fetch sends them (or the
-        lease expires: then the fetch finds nothing and decode recomputes)."""
+    async def lease(self, request: EngineRequest, outputs: list[StepOutput]) -> Lease:
+        """The lease of a parked request (`outputs`: its choices' first outputs, which say where the
+        prompt's KV is parked). With the object store, its KV goes there now and the blocks are
+        freed at once; otherwise they stay parked until a fetch sends them (or the lease expires:
+        then the fetch's bytes are turned away and decode recomputes)."""
         if self._tombstones.pop(request.request_id, None) is not None:
             self.engine.release(request.request_id)  # its ingress gave up while it was being prefilled
         cache = self.engine.kv_cache
-        num_blocks = -(-len(request.prompt_token_ids) // cache.shape[3])
-        shape = packed_shape(cache, num_blocks)
-        dtype = str(cache.dtype).removeprefix("torch.")
+        parked = next(o.parked for o in outputs if o.parked is not None)
         kv_ref = None
         if self.transport == "object_store":
-            try:
-                block_ids = await self.engine.parked_blocks(request.request_id)
-            except KeyError:
-                pass  # the lease already expired
-            else:
-                packed = await asyncio.to_thread(pack_blocks, cache, block_ids)
+            packed = await asyncio.to_thread(pack_blocks, cache, parked.block_ids)
+            if parked.intact(parked.block_ids, self.engine.kv_generations, time.monotonic()):
                 kv_ref = [ray.put(kv_as_bytes(packed))]
-                self.engine.release(request.request_id)
+            self.engine.release(request.request_id)
         shared = None
         if self.transport == "shm" and self.engine.kv_path is not None:
             shared = SharedCache(ray.get_runtime_context().get_node_id(), self.engine.kv_path, tuple(cache.shape))
-        return Lease(request.request_id, self.name, self.address, shape, dtype, block_bytes(cache), kv_ref,
-                     shared)
+        return Lease(request.request_id, self.name, self.address, packed_shape(cache, len(parked.block_ids)),
+                     str(cache.dtype).removeprefix("torch."), block_bytes(cache), parked, kv_ref, shared)
 
     async def _serve(self, connection: Connection) -> None:
         """One peer's messages, in order."""
@@ -112,9 +107,8 @@ class KvSender:
                     await self._release(request_id)
                 case OpenPair(group_name):
                     pair = await self._open_pair(connection, group_name)
-                case Fetch(copy_shared=True):
-                    if not await self._share(connection, message):
-                        return
+                case Copied():
+                    self._copied(connection, message)
                 case Fetch():
                     if not await self._send(connection, pair, staging, message):
                         return  # the pair may be out of step: the peer starts over on a new connection
@@ -133,61 +127,39 @@ class KvSender:
         return pair
 
     async def _send(self, connection: Connection, pair: PairChannel | None, staging: Staging, fetch: Fetch) -> bool:
+        """Send the blocks at once, then say whether what was read was the prompt's KV: the bytes
+        always travel, so the pair stays in step whatever the answer."""
+        if pair is None:
+            log.warning("a fetch of %s from %s before any pair channel", fetch.request_id, connection.peer)
+            return False
         start = time.perf_counter()
-        block_ids = await self.engine.call(core.ClaimParked(fetch.request_id))
-        if block_ids is None or pair is None:
-            connection.send(FetchReply(False, "lease expired or unknown" if block_ids is None else "no pair channel"))
-            return pair is not None
-        source_ids = tuple(block_ids[fetch.first_block :])
-        if len(source_ids) != len(fetch.target_block_ids):
-            connection.send(FetchReply(False, f"{len(source_ids)} blocks to send, {len(fetch.target_block_ids)} to fill"))
-            self.engine.release(fetch.request_id)
-            return True
+        cache = self.engine.kv_cache
         try:
             if self.delay_send_s:
                 await asyncio.sleep(self.delay_send_s)
-            cache = self.engine.kv_cache
-            kv_bytes = len(source_ids) * block_bytes(cache)
-            connection.send(FetchReply(True, kv_bytes=kv_bytes, block_ids=source_ids))
-            # shielded: once announced, the send completes even if this replica is told to stop,
-            # so the pair's two sides never disagree about what was sent
-            send = asyncio.to_thread(pair.send_blocks, cache, source_ids, fetch.target_block_ids, staging)
-            await asyncio.shield(asyncio.wait_for(send, self.timeout_s))
+            # shielded: once begun, the send completes even if this replica is told to stop, so the
+            # pair's two sides never disagree about what was sent
+            finish = pair.start_send(cache, fetch.source_block_ids, fetch.target_block_ids, staging)
+            await asyncio.shield(asyncio.wait_for(asyncio.to_thread(finish), self.timeout_s))
         except Exception:
             log.exception("KV send of %s failed", fetch.request_id)
             self.engine.release(fetch.request_id)  # decode recomputes
             return False
-        self.engine.release(fetch.request_id)  # the matching recv is decode's acknowledgement
-        seconds = time.perf_counter() - start
-        self.ledger.record([KvSent(c, self.pair_transport, kv_bytes, seconds, self.name, connection.peer)
-                            for c in fetch.choice_ids])
+        held = fetch.parked.intact(fetch.source_block_ids, self.engine.kv_generations, time.monotonic())
+        kv_bytes = len(fetch.source_block_ids) * block_bytes(cache)
+        connection.send(FetchReply(held, "" if held else "lease expired or unknown", kv_bytes))
+        self.engine.release(fetch.request_id)
+        if held:
+            self.ledger.record([KvSent(c, self.pair_transport, kv_bytes, time.perf_counter() - start, self.name,
+                                       connection.peer) for c in fetch.choice_ids])
         return True
 
-    async def _share(self, connection: Connection, fetch: Fetch) -> bool:
-        """Decode copies the blocks out of the shared cache itself: hand it their ids, keep them
-        until it says it has copied them, then tell it whether they were still held all along (a
-        lease that expired meanwhile may have had its blocks reused: decode then recomputes)."""
-        start = time.perf_counter()
-        block_ids = await self.engine.call(core.ClaimParked(fetch.request_id))
-        if block_ids is None:
-            connection.send(FetchReply(False, "lease expired or unknown"))
-            return True
-        shared = tuple(block_ids[fetch.first_block :])
-        kv_bytes = len(shared) * block_bytes(self.engine.kv_cache)
-        connection.send(FetchReply(True, kv_bytes=kv_bytes, block_ids=shared))
-        try:
-            done = await asyncio.wait_for(connection.recv(), self.timeout_s)
-        except asyncio.TimeoutError:
-            done = None
-        held = await self.engine.call(core.ReleaseRequest(fetch.request_id))
-        if done != Copied(fetch.request_id):
-            log.warning("decode did not confirm its copy of %s (%r); dropping the connection", fetch.request_id, done)
-            return False
-        connection.send(FetchReply(held, "" if held else "lease expired during the copy", kv_bytes))
-        if held:
-            self.ledger.record([KvSent(c, "shm", kv_bytes, time.perf_counter() - start, self.name, connection.peer)
-                                for c in fetch.choice_ids])
-        return True
+    def _copied(self, connection: Connection, copied: Copied) -> None:
+        """A decode replica of this node copied a lease's blocks out of the shared cache itself."""
+        self.engine.release(copied.request_id)
+        if copied.held:
+            self.ledger.record([KvSent(c, "shm", copied.kv_bytes, copied.seconds, self.name, connection.peer)
+                                for c in copied.choice_ids])
 
     async def _release(self, request_id: str) -> None:
         """Free a lease now; one that is not parked yet (still being prefilled) is freed when it

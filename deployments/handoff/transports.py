@@ -17,9 +17,10 @@ layer travelling while the next is packed and unpacked while the next arrives.
 from __future__ import annotations
 
 import datetime
+import functools
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -46,11 +47,30 @@ class PairChannel(ABC):
     """Prefill is rank 0 and sends; decode is rank 1 and receives. Messages of one transfer carry
     distinct tags; each side waits for all of them before the next transfer."""
 
+    posts_at_once = False  # whether post_send/post_recv return before the bytes have moved
+
     @abstractmethod
     def post_send(self, tensor: torch.Tensor, tag: int) -> Work: ...
 
     @abstractmethod
     def post_recv(self, tensor: torch.Tensor, tag: int) -> Work: ...
+
+    def start_send(self, cache: torch.Tensor, source_ids: Sequence[int], target_ids: Sequence[int],
+                   staging: Staging) -> Callable[[], None]:
+        """Begin `send_blocks` and return the rest of it, which blocks (for a worker thread): on a
+        channel that posts at once, slabs start moving now, before any thread is scheduled."""
+        runs = slab_runs(cache, source_ids, target_ids)
+        if runs is None or not self.posts_at_once:
+            return functools.partial(self.send_blocks, cache, source_ids, target_ids, staging)
+        return functools.partial(_wait_all, [self.post_send(slab, tag) for tag, slab in enumerate(_slabs(cache, runs, 0))])
+
+    def start_recv(self, cache: torch.Tensor, source_ids: Sequence[int], target_ids: Sequence[int],
+                   staging: Staging) -> Callable[[], None]:
+        """`start_send`'s other side, for `recv_blocks`."""
+        runs = slab_runs(cache, source_ids, target_ids)
+        if runs is None or not self.posts_at_once:
+            return functools.partial(self.recv_blocks, cache, source_ids, target_ids, staging)
+        return functools.partial(_wait_all, [self.post_recv(slab, tag) for tag, slab in enumerate(_slabs(cache, runs, 1))])
 
     def send_blocks(self, cache: torch.Tensor, source_ids: Sequence[int], target_ids: Sequence[int],
                     staging: Staging) -> None:
@@ -65,16 +85,14 @@ class PairChannel(ABC):
             for layer in range(cache.shape[0]):
                 pack_layer(cache, layer, index, buffer[layer])
                 works.append(self.post_send(buffer[layer], layer))
-        for work in works:
-            work.wait()
+        _wait_all(works)
 
     def recv_blocks(self, cache: torch.Tensor, source_ids: Sequence[int], target_ids: Sequence[int],
                     staging: Staging) -> None:
         """Receive the peer's `send_blocks` into `cache[:, :, target_ids]`."""
         runs = slab_runs(cache, source_ids, target_ids)
         if runs is not None:
-            for work in [self.post_recv(slab, tag) for tag, slab in enumerate(_slabs(cache, runs, side=1))]:
-                work.wait()
+            _wait_all([self.post_recv(slab, tag) for tag, slab in enumerate(_slabs(cache, runs, side=1))])
             return
         index = torch.tensor(list(target_ids), device=cache.device)
         buffer = staging.take(packed_shape(cache, len(index)), cache.dtype, cache.device)
@@ -82,6 +100,11 @@ class PairChannel(ABC):
         for layer, work in enumerate(works):
             work.wait()
             unpack_layer(cache, layer, index, buffer[layer])
+
+
+def _wait_all(works: list[Work]) -> None:
+    for work in works:
+        work.wait()
 
 
 def slab_runs(cache: torch.Tensor, source_ids: Sequence[int], target_ids: Sequence[int]) -> list[Run] | None:
@@ -131,6 +154,8 @@ class Staging:
 
 
 class GlooPair(PairChannel):
+    posts_at_once = True  # gloo moves the bytes from its own threads
+
     def __init__(self, store: torch.distributed.TCPStore, rank: int, timeout_s: float) -> None:
         self._store = store  # the group keeps using it
         self._peer = 1 - rank

@@ -15,7 +15,7 @@ import logging
 import queue
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import torch
 
@@ -56,6 +56,12 @@ class Transport(ABC):
     @property
     @abstractmethod
     def kv_cache(self) -> torch.Tensor: ...
+
+    @property
+    @abstractmethod
+    def kv_generations(self) -> Sequence[int]:
+        """The KV blocks' generations (`BlockPool.generations`), live: what a read of parked blocks
+        is checked against."""
 
     @property
     def kv_path(self) -> str | None:
@@ -238,6 +244,10 @@ class AsyncEngine:
         return self.transport.kv_cache
 
     @property
+    def kv_generations(self) -> Sequence[int]:
+        return self.transport.kv_generations
+
+    @property
     def kv_path(self) -> str | None:
         return self.transport.kv_path
 
@@ -293,6 +303,10 @@ class ThreadTransport(Transport):
     @property
     def kv_cache(self) -> torch.Tensor:
         return self.core.engine.runner.kv_cache
+
+    @property
+    def kv_generations(self) -> Sequence[int]:
+        return self.core.engine.pool.generations
 
     def shutdown(self) -> None:
         self._stopped = True

@@ -2,7 +2,10 @@
 free queue in LRU order, and the prefix cache's map from block hash to block.
 
 The cache tensor itself lives in the model runner; this file only knows block ids. A block is free
-exactly when its reference count is 0. A free block may still hold a cached prefix (it has a
+exactly when its reference count is 0. Each block has a generation, the number of times it was
+handed out for new KV: bytes read from a block are the ones its holder meant if its generation is
+the same after the read as when the holder took it (a prefill replica's KV handoff reads parked
+blocks without asking the engine loop). A free block may still hold a cached prefix (it has a
 hash): a request that needs that prefix takes it back (`touch`) instead of recomputing it; a
 request that needs fresh blocks takes the least recently freed ones, evicting their hashes.
 """
@@ -12,7 +15,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import MutableSequence, Sequence
 
 BlockHash = bytes
 
@@ -49,6 +52,12 @@ class BlockPool:
         self._ref_counts = [0] * num_blocks
         self._hash_of: list[BlockHash | None] = [None] * num_blocks
         self._cached: dict[BlockHash, int] = {}
+        self.generations: MutableSequence[int] = array("q", bytes(8 * num_blocks))
+
+    def use_generations(self, storage: MutableSequence[int]) -> None:
+        """Keep the generations in `storage` from now on (shared memory other processes read)."""
+        storage[:] = self.generations
+        self.generations = storage
 
     @property
     def num_free_blocks(self) -> int:
@@ -76,6 +85,7 @@ class BlockPool:
         for _ in range(num_blocks):
             block_id, _ = self._free.popitem(last=False)
             self._evict(block_id)
+            self.generations[block_id] += 1  # before anything writes into it
             self._ref_counts[block_id] = 1
             block_ids.append(block_id)
         return block_ids

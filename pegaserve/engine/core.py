@@ -67,13 +67,6 @@ class ParkedBlocks:
 
 
 @dataclass(frozen=True)
-class ClaimParked:
-    """Prefill role: a decode replica came for a parked request's KV (answers its blocks, or None)."""
-
-    request_id: str
-
-
-@dataclass(frozen=True)
 class ExportKv:
     """Prefill role, in process: the packed KV of a parked request from `first_block` on."""
 
@@ -86,7 +79,7 @@ class GetStats:
     pass
 
 
-Command = (AddRequest | Receive | AddHandoff | Received | AbortRequest | ReleaseRequest | ParkedBlocks | ClaimParked
+Command = (AddRequest | Receive | AddHandoff | Received | AbortRequest | ReleaseRequest | ParkedBlocks
            | ExportKv | GetStats)
 
 
@@ -130,8 +123,6 @@ class EngineCore:
                 return engine.release(request_id)
             case ParkedBlocks(request_id):
                 return engine.parked_block_ids(request_id)
-            case ClaimParked(request_id):
-                return engine.claim(request_id)
             case ExportKv(request_id, first_block):
                 return engine.export_kv(request_id, first_block)
             case GetStats():

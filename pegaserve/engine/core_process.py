@@ -29,6 +29,7 @@ import threading
 import time
 import uuid
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,31 +73,40 @@ def build_engine(spec: EngineSpec):
 
 
 def _share(engine) -> tuple:
-    """Make the engine's KV cache (still empty) one the replica can map: a file in /dev/shm on the
-    CPU, named after this process; on CUDA, torch's IPC handle of the device tensor (the reduction
+    """Make the engine's KV cache (still empty) one the replica can map: a file in /dev/shm named
+    after this process, holding the blocks' generations and, on the CPU, the blocks themselves; on
+    CUDA the blocks travel as torch's IPC handle of the device tensor (the reduction
     torch.multiprocessing uses)."""
     cache = engine.runner.kv_cache
+    _remove_orphans()
+    path = str(SHM_DIR / f"{KV_FILE_PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
+    shape = tuple(cache.shape)
+    shared_cache, generations = map_kv_file(path, shape, cache.dtype, create=True, with_blocks=not cache.is_cuda)
+    engine.pool.use_generations(generations)
     if cache.is_cuda:
         from torch.multiprocessing.reductions import reduce_tensor  # noqa: PLC0415
 
-        return ("cuda", reduce_tensor(cache))
-    _remove_orphans()
-    path = SHM_DIR / f"{KV_FILE_PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
-    engine.runner.kv_cache = map_kv_file(str(path), tuple(cache.shape), cache.dtype, create=True)
-    return ("shm", (str(path), tuple(cache.shape), cache.dtype))
+        return ("cuda", path, shape, cache.dtype, reduce_tensor(cache))
+    engine.runner.kv_cache = shared_cache
+    return ("shm", path, shape, cache.dtype, None)
 
 
 KV_FILE_PREFIX = "pegaserve-kv-"
+_GENERATIONS_ALIGN = 4096  # the blocks start on a page of their own
 
 
-def map_kv_file(path: str, shape: tuple[int, ...], dtype: torch.dtype, create: bool = False) -> torch.Tensor:
-    """A KV cache file in shared memory as a tensor, every page faulted in now (the handoff would
-    otherwise pay a page fault per 4 KB it touches). `create` makes it, zeroed; otherwise a missing
-    file raises FileNotFoundError (never a fresh file of zeros taken for someone's KV)."""
+def map_kv_file(path: str, shape: tuple[int, ...], dtype: torch.dtype, create: bool = False,
+                with_blocks: bool = True) -> tuple[torch.Tensor | None, memoryview]:
+    """A KV cache file in shared memory: the blocks as a tensor (`with_blocks`; every page faulted
+    in now, or the handoff would pay a page fault per 4 KB it touches) and their generations
+    (`BlockPool.generations`, int64 each). `create` makes it, zeroed; otherwise a missing file
+    raises FileNotFoundError (never a fresh file of zeros taken for someone's KV)."""
+    num_blocks = shape[2]
+    generation_bytes = -(-8 * num_blocks // _GENERATIONS_ALIGN) * _GENERATIONS_ALIGN
     numel = 1
     for n in shape:
         numel *= n
-    num_bytes = numel * dtype.itemsize
+    num_bytes = generation_bytes + (numel * dtype.itemsize if with_blocks else 0)
     fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
     try:
         if create:
@@ -104,11 +114,14 @@ def map_kv_file(path: str, shape: tuple[int, ...], dtype: torch.dtype, create: b
         mapping = mmap.mmap(fd, num_bytes, mmap.MAP_SHARED)
     finally:
         os.close(fd)
+    generations = memoryview(mapping)[: 8 * num_blocks].cast("q")
+    if not with_blocks:
+        return None, generations
     with warnings.catch_warnings():  # a writable mapping: torch's "non-writable buffer" warning does not apply
         warnings.simplefilter("ignore", UserWarning)
-        cache = torch.frombuffer(mapping, dtype=dtype).view(shape)
+        cache = torch.frombuffer(mapping, dtype=dtype, offset=generation_bytes).view(shape)
     pages.populate(cache)
-    return cache
+    return cache, generations
 
 
 def _remove_orphans() -> None:
@@ -122,13 +135,14 @@ def _remove_orphans() -> None:
             pass  # not ours to judge: another user's, or not named by a pid
 
 
-def _map(kind: str, how) -> tuple[torch.Tensor, str | None]:
-    """The replica's view of the engine's KV cache (`_share`'s other half), and its file if any."""
+def _map(kind: str, path: str, shape: tuple[int, ...], dtype: torch.dtype, cuda_handle) -> tuple:
+    """The replica's view of the engine's KV cache (`_share`'s other half): the blocks, their
+    generations, and the file that holds the blocks if any."""
+    cache, generations = map_kv_file(path, shape, dtype, with_blocks=kind == "shm")
     if kind == "cuda":
-        rebuild, args = how
-        return rebuild(*args), None
-    path, shape, dtype = how
-    return map_kv_file(path, shape, dtype), path
+        rebuild, args = cuda_handle
+        return rebuild(*args), generations, None
+    return cache, generations, path
 
 # --- framing -------------------------------------------------------------------------------------
 
@@ -182,7 +196,8 @@ class ProcessTransport(Transport):
         if not (isinstance(ready, tuple) and ready[0] == "ready"):
             self._process.kill()
             raise EngineDead(f"the engine process did not start: {ready!r}")
-        self._kv_cache, self._kv_path = _map(*ready[1:])
+        self._kv_cache, self._kv_generations, self._kv_path = _map(*ready[1:])
+        self._kv_file = ready[2]
         self._health = Health(True, False, 0.0, 0, 0)
         self._health_at = time.monotonic()
         self._dead: BaseException | None = None
@@ -241,14 +256,17 @@ class ProcessTransport(Transport):
         return self._kv_cache
 
     @property
+    def kv_generations(self) -> Sequence[int]:
+        return self._kv_generations
+
+    @property
     def kv_path(self) -> str | None:
         return self._kv_path
 
     def shutdown(self) -> None:
         try:
             self._sock.close()
-            if self._kv_path is not None:
-                Path(self._kv_path).unlink(missing_ok=True)  # mappings outlive the name
+            Path(self._kv_file).unlink(missing_ok=True)  # mappings outlive the name
         finally:
             try:
                 self._process.wait(timeout=5)
@@ -310,8 +328,7 @@ def _child_main(fd: int) -> None:
     except (BrokenPipeError, ConnectionResetError):
         pass  # the replica is gone
     finally:
-        if shared[0] == "shm":
-            Path(shared[1][0]).unlink(missing_ok=True)
+        Path(shared[1]).unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

@@ -159,10 +159,6 @@ class Engine:
         """Free a parked request's blocks (decode acknowledged, or the lease expired)."""
         return self.scheduler.release(request_id)
 
-    def claim(self, request_id: str) -> tuple[int, ...] | None:
-        """A decode replica came for a parked request: its prompt blocks, or None (lease gone)."""
-        return self.scheduler.claim(request_id)
-
     def expire_leases(self) -> list[str]:
         return self.scheduler.expire_leases(time.monotonic())
 

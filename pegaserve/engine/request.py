@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -80,25 +81,45 @@ class SampledToken:
 
 
 @dataclass(frozen=True)
+class ParkedKv:
+    """Prefill role: where a parked choice's prompt KV lies — its blocks, their generations when it
+    parked (`BlockPool.generations`), and until when its lease holds them (`time.monotonic()` of
+    the engine's node). Bytes read from the blocks are the prompt's if, once read, `intact` holds."""
+
+    block_ids: tuple[int, ...]
+    generations: tuple[int, ...]
+    held_until: float
+
+    def intact(self, block_ids: Sequence[int], live_generations: Sequence[int], now: float) -> bool:
+        """Whether `block_ids` (some of this prompt's blocks) still hold its KV: the lease had not run
+        out and none of them was handed out anew since it parked."""
+        expected = dict(zip(self.block_ids, self.generations))
+        return now < self.held_until and all(live_generations[b] == expected.get(b) for b in block_ids)
+
+
+@dataclass(frozen=True)
 class StepOutput:
     """One choice's share of one engine step: its new tokens, and its finish if it finished.
 
     The engine classifies every token in the step that produced it, so a token-level finish
     (`Eos`/`Token`/`Length`) always arrives with its trigger, the last of `tokens` (rule 18 holds
     by construction). A request whose prompt was scored carries `prompt_logprobs` on its first
-    output: one entry per prompt token, None for the first.
+    output: one entry per prompt token, None for the first. In the prefill role a choice that
+    parks says where its prompt's KV lies (`parked`: what its lease names).
     """
 
     request_id: str
     tokens: tuple[SampledToken, ...]
     finish: StopCause | None = None
     prompt_logprobs: tuple[TokenScore | None, ...] | None = None
+    parked: ParkedKv | None = None
 
     def then(self, later: "StepOutput") -> "StepOutput":
         """This message and a later one of the same choice as one (a consumer that fell behind)."""
         assert self.request_id == later.request_id and self.finish is None
         return StepOutput(self.request_id, self.tokens + later.tokens, later.finish,
-                          self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs)
+                          self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
+                          self.parked)
 
 
 @dataclass(frozen=True)

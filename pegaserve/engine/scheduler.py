@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 from pegaserve.engine.config import EngineConfig, Role
 from pegaserve.engine.kv_manager import KvCacheManager
-from pegaserve.engine.request import EngineRequest, Handoff, RequestState, SampledToken, Status, StepOutput
+from pegaserve.engine.request import (EngineRequest, Handoff, ParkedKv, RequestState, SampledToken, Status,
+                                      StepOutput)
 from pegaserve.engine.scheduled_request import scheduled_request
 from pegaserve.engine.scheduler_output import RunnerOutput, ScheduledRequest, SchedulerOutput
 from pegaserve.engine.spec import Proposer
@@ -286,6 +287,7 @@ class Scheduler:
             if cause is not None:
                 break
         first = request.num_output_tokens == len(kept)
+        parked = None
         prompt_logprobs = tuple(request.prompt_scores) if first and request.prompt_scores is not None else None
         if cause is not None:
             self._finish(request, cause)
@@ -294,10 +296,10 @@ class Scheduler:
             self.kv.truncate(request, request.num_tokens)
             self.kv.name_full_blocks(request)
             if self.config.role is Role.PREFILL:
-                self._park(request)
+                parked = self._park(request)
             elif self.proposer is not None:
                 self._propose(request)
-        return StepOutput(request.request_id, tuple(kept), cause, prompt_logprobs)
+        return StepOutput(request.request_id, tuple(kept), cause, prompt_logprobs, parked)
 
     def _score_only(self, lead: RequestState) -> list[StepOutput]:
         """`max_tokens=0` (echo scoring): the prompt is scored, nothing is generated."""
@@ -312,10 +314,12 @@ class Scheduler:
         room = min(request.policy.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
         request.draft_token_ids = self.proposer.propose(request.request_id, request.all_token_ids(), room)
 
-    def _park(self, request: RequestState) -> None:
+    def _park(self, request: RequestState) -> ParkedKv:
         request.set_status(Status.PARKED)
         self.parked[request.request_id] = request
-        self.lease_deadlines[request.request_id] = time.monotonic() + self.config.lease_timeout_s
+        held_until = self.lease_deadlines[request.request_id] = time.monotonic() + self.config.lease_timeout_s
+        block_ids = self.kv.block_ids(request.request_id)
+        return ParkedKv(block_ids, tuple(self.kv.pool.generations[b] for b in block_ids), held_until)
 
     # --- leaving ---------------------------------------------------------------------------------
 
@@ -399,19 +403,6 @@ class Scheduler:
 
     def parked_choices(self, request_id: str) -> list[RequestState]:
         return [self.parked[c] for c in self.choice_ids(request_id) if c in self.parked]
-
-    def claim(self, request_id: str) -> tuple[int, ...] | None:
-        """Prefill role: a decode replica came for a parked request's KV. Returns its prompt blocks
-        (the lease renewed while they are sent) or None when the lease is gone."""
-        choices = self.parked_choices(request_id)
-        now = time.monotonic()
-        if not choices or self.lease_deadlines[choices[0].request_id] <= now:
-            self.expire_leases(now)
-            return None
-        renewed = now + self.config.lease_timeout_s
-        for choice in choices:
-            self.lease_deadlines[choice.request_id] = renewed
-        return self.kv.block_ids(choices[0].request_id)
 
     def expire_leases(self, now: float) -> list[str]:
         """Free parked requests whose lease ran out (decode never came); returns their ids."""

@@ -110,3 +110,27 @@ def test_eos_ids_stop_when_not_ignored(tiny_model_dir):
     engine.add_request(greedy_request("r", [4], 10, ignore_eos=False, eos_token_ids=EOS_IDS))
     (outputs,) = run_to_completion(engine).values()
     assert token_ids(outputs) == [10, 151643] and outputs[-1].finish == Eos(151643)
+
+
+def test_a_parked_prompt_names_its_blocks_and_their_generations_until_they_are_handed_out_anew(tiny_model_dir):
+    """What a KV handoff checks its reads against, without asking the engine loop: the blocks stay
+    the prompt's while parked, not once released and given to another request (docs/KV.md)."""
+    import time
+
+    prefill = scripted_engine(tiny_model_dir, {}, EngineConfig(role=Role.PREFILL, num_blocks=4, block_size=4,
+                                                               lease_timeout_s=60.0))
+    prefill.add_request(greedy_request("p", list(range(1, 10)), 5))
+    (out,) = prefill.step()
+    parked = out.parked
+    assert parked is not None and parked.block_ids == prefill.parked_block_ids("p") and len(parked.block_ids) == 3
+    assert parked.held_until > time.monotonic() + 50
+    now = time.monotonic()
+    assert parked.intact(parked.block_ids, prefill.pool.generations, now)
+    assert not parked.intact(parked.block_ids, prefill.pool.generations, parked.held_until)  # the lease ran out
+    assert prefill.release("p")
+    assert parked.intact(parked.block_ids, prefill.pool.generations, now)  # freed, not yet reused: still the prompt's
+    prefill.add_request(greedy_request("q", list(range(20, 31)), 5))  # the free block, then p's last two
+    prefill.step()
+    assert not parked.intact(parked.block_ids, prefill.pool.generations, now)
+    assert not parked.intact(parked.block_ids[-1:], prefill.pool.generations, now)
+    assert parked.intact(parked.block_ids[:1], prefill.pool.generations, now)  # decode had the rest cached

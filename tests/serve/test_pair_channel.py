@@ -13,6 +13,7 @@ from deployments.channel import Address
 from deployments.handoff import transports
 from deployments.handoff.protocol import Lease
 from deployments.handoff.transports import GlooPair, Staging, slab_runs
+from pegaserve.engine.request import ParkedKv
 
 TIMEOUT_S = 30.0
 LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 3, 4, 2, 8
@@ -87,7 +88,8 @@ def test_block_counts_must_agree():
 def test_a_lease_fits_only_a_cache_of_its_layout():
     """Slabs are raw bytes: decode refuses (and recomputes) a prompt whose KV has another layout."""
     address = Address("127.0.0.1", 1, "token")
-    lease = Lease("r", "prefill", address, (LAYERS, 2, 5, BLOCK_SIZE, KV_HEADS, HEAD_DIM), "float32", BLOCK_BYTES)
+    lease = Lease("r", "prefill", address, (LAYERS, 2, 5, BLOCK_SIZE, KV_HEADS, HEAD_DIM), "float32", BLOCK_BYTES,
+                  ParkedKv(tuple(range(5)), (0,) * 5, 0.0))
     shape = tuple(cache(30, 0).shape)
     assert lease.fits(shape, "float32")
     assert not lease.fits(shape, "bfloat16")

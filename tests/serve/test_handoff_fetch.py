@@ -1,0 +1,177 @@
+"""The handoff's fetch between a KvSender and a KvReceiver (deployments/handoff/) on 127.0.0.1,
+with stand-in engines whose loops must never be asked anything: the bytes are read straight from
+the prefill engine's cache and checked against the lease (`ParkedKv`) once read. A lease that
+expired, or a block handed out anew, turns the bytes away — the pair stays in step for the next
+fetch and decode recomputes. Over a real gloo pair, and over shared memory (decode copying out
+of the prefill engine's cache file)."""
+
+import asyncio
+import os
+import time
+import uuid
+from array import array
+
+import pytest
+import ray
+import torch
+
+from deployments.handoff import transports
+from deployments.handoff.protocol import Lease, SharedCache
+from deployments.handoff.receiver import KvReceiver
+from deployments.handoff.sender import KvSender
+from deployments.handoff.transports import block_bytes, packed_shape
+from pegaserve.engine.core_process import SHM_DIR, map_kv_file
+from pegaserve.engine.request import ParkedKv
+from pegaserve.engine.scheduler import ReceiveTarget
+
+TIMEOUT_S = 30.0
+SHAPE = (3, 2, 40, 4, 2, 8)  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+PROMPT_BLOCKS = (3, 4, 5, 6, 7, 8, 9, 10, 2)  # where the prompt lies in prefill's cache
+TARGET = ReceiveTarget((30, 31, 32, 33, 34, 35, 36, 37), 1)  # decode has the first block cached
+
+
+class PrefillEngine:
+    """The prefill engine as the sender sees it: its cache, its blocks' generations, releases."""
+
+    def __init__(self, cache: torch.Tensor, generations, kv_path: str | None = None) -> None:
+        self.kv_cache = cache
+        self.kv_generations = generations
+        self.kv_path = kv_path
+        self.released: list[str] = []
+
+    async def call(self, command):
+        raise AssertionError(f"a handoff asked the engine loop {command!r}")
+
+    def release(self, request_id: str) -> None:
+        self.released.append(request_id)
+
+
+class DecodeEngine:
+    def __init__(self, cache: torch.Tensor) -> None:
+        self.kv_cache = cache
+
+
+class Ledger:
+    def __init__(self) -> None:
+        self.records: list = []
+
+    def record(self, records: list) -> None:
+        self.records += records
+
+
+@pytest.fixture(autouse=True)
+def loopback(monkeypatch):
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.1")
+    monkeypatch.setattr(transports.ray.util, "get_node_ip_address", lambda: "127.0.0.1")
+    monkeypatch.setattr(KvReceiver, "_same_node", lambda self, shared: True)
+
+
+def random_cache(seed: int) -> torch.Tensor:
+    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed))
+
+
+def lease_of(sender: KvSender, request_id: str, held_for_s: float = 60.0) -> Lease:
+    cache, generations = sender.engine.kv_cache, sender.engine.kv_generations
+    parked = ParkedKv(PROMPT_BLOCKS, tuple(generations[b] for b in PROMPT_BLOCKS), time.monotonic() + held_for_s)
+    shared = None if sender.engine.kv_path is None else SharedCache("node", sender.engine.kv_path, SHAPE)
+    return Lease(request_id, "prefill", sender.address, packed_shape(cache, len(PROMPT_BLOCKS)), "float32",
+                 block_bytes(cache), parked, shared=shared)
+
+
+def expected_target(prefill: torch.Tensor, decode: torch.Tensor) -> torch.Tensor:
+    expected = decode.clone()
+    expected[:, :, list(TARGET.block_ids)] = prefill[:, :, list(PROMPT_BLOCKS[1:])]
+    return expected
+
+
+async def released(prefill: PrefillEngine, request_id: str) -> bool:
+    """`Copied` is one-way: prefill frees the blocks when it reads it."""
+    for _ in range(200):
+        if request_id in prefill.released:
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
+def run(transport: str, scenario, kv_path: str | None = None) -> None:
+    async def main():
+        if kv_path is None:
+            prefill = PrefillEngine(random_cache(1), array("q", bytes(8 * SHAPE[2])))
+        else:
+            prefill = PrefillEngine(*map_kv_file(kv_path, SHAPE, torch.float32), kv_path)
+        sender = KvSender(prefill, "prefill", transport, TIMEOUT_S, Ledger())
+        await sender.start()
+        receiver = KvReceiver(DecodeEngine(random_cache(2)), "decode", transport, TIMEOUT_S)
+        try:
+            await asyncio.wait_for(scenario(prefill, sender, receiver), TIMEOUT_S)
+        finally:
+            sender.close()
+
+    asyncio.run(main())
+
+
+def test_gloo_blocks_land_where_decode_asked_without_the_engine_loop():
+    async def scenario(prefill, sender, receiver):
+        decode_cache = receiver.engine.kv_cache
+        expected = expected_target(prefill.kv_cache, decode_cache)
+        transfer = await receiver.fetch(lease_of(sender, "r1"), TARGET, ("r1",))
+        assert transfer.ok and transfer.transport == "gloo" and transfer.kv_bytes == 8 * block_bytes(decode_cache)
+        assert torch.equal(decode_cache, expected)
+        assert prefill.released == ["r1"] and [r.request_id for r in sender.ledger.records] == ["r1"]
+
+    run("gloo", scenario)
+
+
+def test_gloo_a_lease_not_held_turns_the_bytes_away_and_the_pair_stays_in_step():
+    async def scenario(prefill, sender, receiver):
+        expired = await receiver.fetch(lease_of(sender, "gone", held_for_s=-1.0), TARGET, ("gone",))
+        assert not expired.ok and expired.reason == "lease expired or unknown"
+        reused = lease_of(sender, "reused")
+        prefill.kv_generations[PROMPT_BLOCKS[-1]] += 1  # its last block was handed out anew
+        assert not (await receiver.fetch(reused, TARGET, ("reused",))).ok
+        assert sender.ledger.records == []
+        decode_cache = receiver.engine.kv_cache
+        decode_cache.zero_()
+        assert (await receiver.fetch(lease_of(sender, "r2"), TARGET, ("r2",))).ok
+        assert torch.equal(decode_cache, expected_target(prefill.kv_cache, torch.zeros(SHAPE)))
+        assert sender.num_pairs == 1  # the same pair carried all three
+        assert prefill.released == ["gone", "reused", "r2"]
+
+    run("gloo", scenario)
+
+
+@pytest.fixture
+def kv_file():
+    path = str(SHM_DIR / f"pegaserve-test-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    cache, _ = map_kv_file(path, SHAPE, torch.float32, create=True)
+    cache.copy_(random_cache(3))
+    yield path
+    os.unlink(path)
+
+
+def test_shm_decode_copies_the_blocks_itself(kv_file):
+    async def scenario(prefill, sender, receiver):
+        decode_cache = receiver.engine.kv_cache
+        expected = expected_target(prefill.kv_cache, decode_cache)
+        transfer = await receiver.fetch(lease_of(sender, "r3"), TARGET, ("r3",))
+        assert transfer.ok and transfer.transport == "shm"
+        assert torch.equal(decode_cache, expected)
+        assert await released(prefill, "r3")
+        assert [r.request_id for r in sender.ledger.records] == ["r3"]
+
+    run("shm", scenario, kv_file)
+
+
+@pytest.mark.parametrize("fault", ["expired", "reused"])
+def test_shm_a_lease_not_held_through_the_copy_is_recomputed(kv_file, fault):
+    async def scenario(prefill, sender, receiver):
+        lease = lease_of(sender, "r4", held_for_s=-1.0 if fault == "expired" else 60.0)
+        if fault == "reused":
+            prefill.kv_generations[PROMPT_BLOCKS[3]] += 1
+        transfer = await receiver.fetch(lease, TARGET, ("r4",))
+        assert not transfer.ok and transfer.reason == "lease expired or unknown"
+        assert await released(prefill, "r4")
+        assert sender.ledger.records == []
+        assert (await receiver.fetch(lease_of(sender, "r5"), TARGET, ("r5",))).ok
+
+    run("shm", scenario, kv_file)
