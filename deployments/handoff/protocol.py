@@ -65,20 +65,14 @@ class Fetch:
     """Send the lease's blocks `source_block_ids` (those decode does not have cached) over the pair
     channel into decode's `target_block_ids`, for the choices `choice_ids` (the ledger's keys: the
     request id itself when it has one choice). Decode has posted its receives already; prefill
-    sends at once and, once its reads are over, answers whether they were the prompt's."""
+    sends at once and, once its reads are over, whether they were the prompt's, as the transfer's
+    last message."""
 
     request_id: str
     choice_ids: tuple[str, ...]
     parked: ParkedKv
     source_block_ids: tuple[int, ...]
     target_block_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class FetchReply:
-    ok: bool
-    reason: str = ""
-    kv_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import ray
 import torch
 
 from deployments.channel import Address, Connection, connect
-from deployments.handoff.protocol import Copied, Fetch, FetchReply, Lease, OpenPair, PairOffer, SharedCache
+from deployments.handoff.protocol import Copied, Fetch, Lease, OpenPair, PairOffer, SharedCache
 from deployments.handoff.transports import GlooPair, NcclPair, PairChannel, Staging, kv_from_bytes
 from pegaserve.engine.async_engine import AsyncEngine
 from pegaserve.engine.core_process import map_kv_file
@@ -115,8 +115,8 @@ class KvReceiver:
         were the prompt's throughout. Prefill only hears that it may free them."""
         start = time.perf_counter()
         blocks, generations = self._map(lease.shared)
-        await _with(asyncio.to_thread(copy_blocks, blocks, list(source), self.engine.kv_cache,
-                                      list(target.block_ids)))
+        await _to_the_end(asyncio.to_thread(copy_blocks, blocks, list(source), self.engine.kv_cache,
+                                            list(target.block_ids)))
         held = lease.parked.intact(source, generations, time.monotonic())  # one node: the engine's clock is ours
         kv_bytes = len(source) * lease.block_bytes
         async with self._locks[lease.address]:
@@ -125,22 +125,16 @@ class KvReceiver:
         return kv_bytes if held else None
 
     async def _pull(self, peer: _Peer, fetch: Fetch, lease: Lease) -> int | None:
-        """Post the receives straight into the target blocks, then ask for the bytes."""
+        """Post the receives straight into the target blocks, then ask for the bytes; the sender's
+        verdict on them comes last."""
         cache = self.engine.kv_cache
         if not lease.fits(tuple(cache.shape), str(cache.dtype).removeprefix("torch.")):
             raise ValueError(f"the prompt's KV ({lease.kv_dtype} {lease.kv_shape}) does not fit this cache")
         await self._open_pair(peer, lease)
         finish = peer.pair.start_recv(cache, fetch.source_block_ids, fetch.target_block_ids, peer.staging)
         peer.connection.send(fetch)
-        reply = await _with(asyncio.to_thread(finish), self._reply(peer))
-        return reply.kv_bytes if reply.ok else None
-
-    @staticmethod
-    async def _reply(peer: _Peer) -> FetchReply:
-        reply = await peer.connection.recv()
-        if not isinstance(reply, FetchReply):
-            raise ConnectionError("the prefill replica closed the connection")
-        return reply
+        held = await _to_the_end(asyncio.to_thread(finish))
+        return len(fetch.source_block_ids) * lease.block_bytes if held else None
 
     def _same_node(self, shared: SharedCache) -> bool:
         return shared.node_id == ray.get_runtime_context().get_node_id()
@@ -184,17 +178,12 @@ class KvReceiver:
             peer.connection.close()
 
 
-async def _with(writer, answer=None):
-    """`answer`'s result, once `writer` — a copy into this replica's cache — has ended too: its thread
-    writes into blocks the engine reserved, so it must never outlive the fetch, even one that is
-    cancelled or fails meanwhile."""
-    task = asyncio.ensure_future(writer)
+async def _to_the_end(copy):
+    """The result of `copy` — into this replica's cache — awaited to its end even when cancelled
+    meanwhile: its thread writes into blocks the engine reserved, so it must never outlive the fetch."""
+    task = asyncio.ensure_future(copy)
     try:
-        result = None if answer is None else await answer
-    finally:
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            await asyncio.wait([task])
-            raise
-    return result
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.wait([task])
+        raise

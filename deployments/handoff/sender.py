@@ -20,7 +20,6 @@ from deployments.channel import Address, Connection, Listener
 from deployments.handoff.protocol import (
     Copied,
     Fetch,
-    FetchReply,
     Lease,
     OpenPair,
     PairOffer,
@@ -127,29 +126,33 @@ class KvSender:
         return pair
 
     async def _send(self, connection: Connection, pair: PairChannel | None, staging: Staging, fetch: Fetch) -> bool:
-        """Send the blocks at once, then say whether what was read was the prompt's KV: the bytes
-        always travel, so the pair stays in step whatever the answer."""
+        """Send the blocks at once and, once they are read, whether they were the prompt's KV (the
+        transfer's last message): the bytes always travel, so the pair stays in step whatever the
+        verdict."""
         if pair is None:
             log.warning("a fetch of %s from %s before any pair channel", fetch.request_id, connection.peer)
             return False
         start = time.perf_counter()
         cache = self.engine.kv_cache
+        generations = self.engine.kv_generations
+
+        def verdict() -> bool:
+            return fetch.parked.intact(fetch.source_block_ids, generations, time.monotonic())
+
         try:
             if self.delay_send_s:
                 await asyncio.sleep(self.delay_send_s)
             # shielded: once begun, the send completes even if this replica is told to stop, so the
             # pair's two sides never disagree about what was sent
-            finish = pair.start_send(cache, fetch.source_block_ids, fetch.target_block_ids, staging)
-            await asyncio.shield(asyncio.wait_for(asyncio.to_thread(finish), self.timeout_s))
+            finish = pair.start_send(cache, fetch.source_block_ids, fetch.target_block_ids, staging, verdict)
+            held = await asyncio.shield(asyncio.wait_for(asyncio.to_thread(finish), self.timeout_s))
         except Exception:
             log.exception("KV send of %s failed", fetch.request_id)
             self.engine.release(fetch.request_id)  # decode recomputes
             return False
-        held = fetch.parked.intact(fetch.source_block_ids, self.engine.kv_generations, time.monotonic())
-        kv_bytes = len(fetch.source_block_ids) * block_bytes(cache)
-        connection.send(FetchReply(held, "" if held else "lease expired or unknown", kv_bytes))
         self.engine.release(fetch.request_id)
         if held:
+            kv_bytes = len(fetch.source_block_ids) * block_bytes(cache)
             self.ledger.record([KvSent(c, self.pair_transport, kv_bytes, time.perf_counter() - start, self.name,
                                        connection.peer) for c in fetch.choice_ids])
         return True

@@ -30,6 +30,7 @@ import torch
 from pegaserve.engine.runner import Run, block_runs, pack_layer, unpack_layer
 
 MIN_SLAB_BYTES = 256 << 10  # below, a message's fixed cost (~30 us on loopback gloo) outweighs the copies it saves
+_VERDICT_TAG = 1 << 20  # past any block message's tag
 
 
 class Work(Protocol):
@@ -56,21 +57,43 @@ class PairChannel(ABC):
     def post_recv(self, tensor: torch.Tensor, tag: int) -> Work: ...
 
     def start_send(self, cache: torch.Tensor, source_ids: Sequence[int], target_ids: Sequence[int],
-                   staging: Staging) -> Callable[[], None]:
-        """Begin `send_blocks` and return the rest of it, which blocks (for a worker thread): on a
-        channel that posts at once, slabs start moving now, before any thread is scheduled."""
+                   staging: Staging, verdict: Callable[[], bool]) -> Callable[[], bool]:
+        """Begin `send_blocks` and return the rest of it, which blocks (for a worker thread): once
+        every byte has been read, `verdict()` — were they the prompt's? — goes as the transfer's
+        last message, and is returned. On a channel that posts at once, slabs start moving now,
+        before any thread is scheduled."""
         runs = slab_runs(cache, source_ids, target_ids)
         if runs is None or not self.posts_at_once:
-            return functools.partial(self.send_blocks, cache, source_ids, target_ids, staging)
-        return functools.partial(_wait_all, [self.post_send(slab, tag) for tag, slab in enumerate(_slabs(cache, runs, 0))])
+            send = functools.partial(self.send_blocks, cache, source_ids, target_ids, staging)
+        else:
+            send = functools.partial(_wait_all, [self.post_send(slab, tag) for tag, slab in enumerate(_slabs(cache, runs, 0))])
+
+        def rest() -> bool:
+            send()
+            ok = verdict()
+            self.post_send(torch.tensor([int(ok)], dtype=torch.int32, device=cache.device), _VERDICT_TAG).wait()
+            return ok
+
+        return rest
 
     def start_recv(self, cache: torch.Tensor, source_ids: Sequence[int], target_ids: Sequence[int],
-                   staging: Staging) -> Callable[[], None]:
-        """`start_send`'s other side, for `recv_blocks`."""
+                   staging: Staging) -> Callable[[], bool]:
+        """`start_send`'s other side, for `recv_blocks`: the rest returns the sender's verdict."""
+        flag = torch.zeros(1, dtype=torch.int32, device=cache.device)
         runs = slab_runs(cache, source_ids, target_ids)
         if runs is None or not self.posts_at_once:
-            return functools.partial(self.recv_blocks, cache, source_ids, target_ids, staging)
-        return functools.partial(_wait_all, [self.post_recv(slab, tag) for tag, slab in enumerate(_slabs(cache, runs, 1))])
+            recv = functools.partial(self.recv_blocks, cache, source_ids, target_ids, staging)
+            flag_work = None  # posted after the blocks': such a channel matches messages in order
+        else:
+            recv = functools.partial(_wait_all, [self.post_recv(slab, tag) for tag, slab in enumerate(_slabs(cache, runs, 1))])
+            flag_work = self.post_recv(flag, _VERDICT_TAG)
+
+        def rest() -> bool:
+            recv()
+            (flag_work or self.post_recv(flag, _VERDICT_TAG)).wait()
+            return bool(flag.item())
+
+        return rest
 
     def send_blocks(self, cache: torch.Tensor, source_ids: Sequence[int], target_ids: Sequence[int],
                     staging: Staging) -> None:

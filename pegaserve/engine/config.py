@@ -39,4 +39,4 @@ class EngineConfig:
     max_queued_requests: int = 1024  # waiting requests past this are refused (EngineOverloaded)
     enable_prefix_caching: bool = True
     speculative: SpeculativeConfig | None = None
-    lease_timeout_s: float = 60.0  # prefill role: a parked request's blocks are freed if unclaimed this long
+    lease_timeout_s: float = 60.0  # prefill role: a parked request's blocks are freed this long after it parked

@@ -85,7 +85,7 @@ def expected_target(prefill: torch.Tensor, decode: torch.Tensor) -> torch.Tensor
 
 
 async def released(prefill: PrefillEngine, request_id: str) -> bool:
-    """`Copied` is one-way: prefill frees the blocks when it reads it."""
+    """Prefill frees the blocks after decode is done with them (its send over, or `Copied` read)."""
     for _ in range(200):
         if request_id in prefill.released:
             return True
@@ -117,7 +117,7 @@ def test_gloo_blocks_land_where_decode_asked_without_the_engine_loop():
         transfer = await receiver.fetch(lease_of(sender, "r1"), TARGET, ("r1",))
         assert transfer.ok and transfer.transport == "gloo" and transfer.kv_bytes == 8 * block_bytes(decode_cache)
         assert torch.equal(decode_cache, expected)
-        assert prefill.released == ["r1"] and [r.request_id for r in sender.ledger.records] == ["r1"]
+        assert await released(prefill, "r1") and [r.request_id for r in sender.ledger.records] == ["r1"]
 
     run("gloo", scenario)
 
@@ -135,7 +135,7 @@ def test_gloo_a_lease_not_held_turns_the_bytes_away_and_the_pair_stays_in_step()
         assert (await receiver.fetch(lease_of(sender, "r2"), TARGET, ("r2",))).ok
         assert torch.equal(decode_cache, expected_target(prefill.kv_cache, torch.zeros(SHAPE)))
         assert sender.num_pairs == 1  # the same pair carried all three
-        assert prefill.released == ["gone", "reused", "r2"]
+        assert await released(prefill, "r2") and prefill.released == ["gone", "reused", "r2"]
 
     run("gloo", scenario)
 
