@@ -126,9 +126,8 @@ class KvSender:
         return pair
 
     async def _send(self, connection: Connection, pair: PairChannel | None, staging: Staging, fetch: Fetch) -> bool:
-        """Send the blocks at once and, once they are read, whether they were the prompt's KV (the
-        transfer's last message): the bytes always travel, so the pair stays in step whatever the
-        verdict."""
+        """Send the blocks and, once they are read, whether they were the prompt's KV (the transfer's
+        last message): the bytes always travel, so the pair stays in step whatever the verdict."""
         if pair is None:
             log.warning("a fetch of %s from %s before any pair channel", fetch.request_id, connection.peer)
             return False
@@ -144,8 +143,9 @@ class KvSender:
                 await asyncio.sleep(self.delay_send_s)
             # shielded: once begun, the send completes even if this replica is told to stop, so the
             # pair's two sides never disagree about what was sent
-            finish = pair.start_send(cache, fetch.source_block_ids, fetch.target_block_ids, staging, verdict)
-            held = await asyncio.shield(asyncio.wait_for(asyncio.to_thread(finish), self.timeout_s))
+            send = asyncio.to_thread(pair.send_with_verdict, cache, fetch.source_block_ids, fetch.target_block_ids,
+                                     staging, verdict)
+            held = await asyncio.shield(asyncio.wait_for(send, self.timeout_s))
         except Exception:
             log.exception("KV send of %s failed", fetch.request_id)
             self.engine.release(fetch.request_id)  # decode recomputes

@@ -7,11 +7,13 @@ one peer for life). `nccl` (GPUs) goes through `ray.util.collective` (cupy). `ob
 packs the prompt into the Ray object store at prefill time; the lease carries the reference.
 
 Pair channels block: callers run them in a worker thread, one transfer at a time per pair, in the
-order of their connection's messages. Both sides know both block lists (the fetch names decode's
-blocks, the reply prefill's), so they cut a transfer into the same messages: where the blocks lie in
-runs in both caches, each run of each layer's K or V is one contiguous slab sent straight from
-prefill's cache into decode's, nothing packed; otherwise the blocks are packed layer by layer, a
-layer travelling while the next is packed and unpacked while the next arrives.
+order of their connection's messages (decode posts its receives before it sends the fetch, so the
+bytes flow the moment prefill sends). Both sides know both block lists (the fetch names them), so
+they cut a transfer into the same messages: where the blocks lie in runs in both caches, each run of
+each layer's K or V is one contiguous slab sent straight from prefill's cache into decode's, nothing
+packed; otherwise the blocks are packed layer by layer, a layer travelling while the next is packed
+and unpacked while the next arrives. The last message is the sender's verdict: whether what it read
+was still the prompt's KV.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ class PairChannel(ABC):
     """Prefill is rank 0 and sends; decode is rank 1 and receives. Messages of one transfer carry
     distinct tags; each side waits for all of them before the next transfer."""
 
-    posts_at_once = False  # whether post_send/post_recv return before the bytes have moved
+    posts_at_once = False  # whether post_recv returns at once, the bytes landing from the channel's own threads
 
     @abstractmethod
     def post_send(self, tensor: torch.Tensor, tag: int) -> Work: ...
@@ -56,29 +58,21 @@ class PairChannel(ABC):
     @abstractmethod
     def post_recv(self, tensor: torch.Tensor, tag: int) -> Work: ...
 
-    def start_send(self, cache: torch.Tensor, source_ids: Sequence[int], target_ids: Sequence[int],
-                   staging: Staging, verdict: Callable[[], bool]) -> Callable[[], bool]:
-        """Begin `send_blocks` and return the rest of it, which blocks (for a worker thread): once
-        every byte has been read, `verdict()` — were they the prompt's? — goes as the transfer's
-        last message, and is returned. On a channel that posts at once, slabs start moving now,
-        before any thread is scheduled."""
-        runs = slab_runs(cache, source_ids, target_ids)
-        if runs is None or not self.posts_at_once:
-            send = functools.partial(self.send_blocks, cache, source_ids, target_ids, staging)
-        else:
-            send = functools.partial(_wait_all, [self.post_send(slab, tag) for tag, slab in enumerate(_slabs(cache, runs, 0))])
-
-        def rest() -> bool:
-            send()
-            ok = verdict()
-            self.post_send(torch.tensor([int(ok)], dtype=torch.int32, device=cache.device), _VERDICT_TAG).wait()
-            return ok
-
-        return rest
+    def send_with_verdict(self, cache: torch.Tensor, source_ids: Sequence[int], target_ids: Sequence[int],
+                          staging: Staging, verdict: Callable[[], bool]) -> bool:
+        """`send_blocks`, then `verdict()` — were the bytes it read the prompt's? — as the transfer's
+        last message; returns it. Blocks (a worker thread's): a send posted after its receive
+        writes the bytes in the caller's thread."""
+        self.send_blocks(cache, source_ids, target_ids, staging)
+        ok = verdict()
+        self.post_send(torch.tensor([int(ok)], dtype=torch.int32, device=cache.device), _VERDICT_TAG).wait()
+        return ok
 
     def start_recv(self, cache: torch.Tensor, source_ids: Sequence[int], target_ids: Sequence[int],
                    staging: Staging) -> Callable[[], bool]:
-        """`start_send`'s other side, for `recv_blocks`: the rest returns the sender's verdict."""
+        """`send_with_verdict`'s other side: posts the receives now where the channel can (gloo), so
+        the bytes flow as soon as the peer sends, before any thread is scheduled here, and returns
+        the rest, which blocks (for a worker thread) and returns the sender's verdict."""
         flag = torch.zeros(1, dtype=torch.int32, device=cache.device)
         runs = slab_runs(cache, source_ids, target_ids)
         if runs is None or not self.posts_at_once:
@@ -177,7 +171,7 @@ class Staging:
 
 
 class GlooPair(PairChannel):
-    posts_at_once = True  # gloo moves the bytes from its own threads
+    posts_at_once = True
 
     def __init__(self, store: torch.distributed.TCPStore, rank: int, timeout_s: float) -> None:
         self._store = store  # the group keeps using it

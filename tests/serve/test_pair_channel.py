@@ -100,8 +100,8 @@ def test_a_lease_fits_only_a_cache_of_its_layout():
 @pytest.mark.parametrize("posts_at_once", [True, False], ids=["posted-at-once", "posted-in-the-thread"])
 @pytest.mark.parametrize("ok", [True, False])
 def test_the_senders_verdict_comes_after_the_blocks(pair, monkeypatch, posts_at_once, ok):
-    """start_send/start_recv: the blocks land, then the verdict the sender computed once they were
-    read (a channel that cannot post at once, like nccl, sends it in order after them)."""
+    """send_with_verdict/start_recv: the blocks land, then the verdict the sender computed once they
+    were read (a channel that cannot post at once, like nccl, receives it in order after them)."""
     monkeypatch.setattr(transports, "MIN_SLAB_BYTES", 4 * BLOCK_BYTES // (2 * LAYERS))
     for side in pair:
         monkeypatch.setattr(side, "posts_at_once", posts_at_once)
@@ -111,8 +111,8 @@ def test_the_senders_verdict_comes_after_the_blocks(pair, monkeypatch, posts_at_
         expected[:, :, target_ids] = source[:, :, source_ids]
         read = []
         finish_recv = pair[1].start_recv(target, source_ids, target_ids, Staging())
-        finish_send = pair[0].start_send(source, source_ids, target_ids, Staging(), lambda: read.append(1) or ok)
-        sender = threading.Thread(target=lambda: read.append(finish_send()))
+        sender = threading.Thread(target=lambda: read.append(pair[0].send_with_verdict(
+            source, source_ids, target_ids, Staging(), lambda: read.append(1) or ok)))
         sender.start()
         assert finish_recv() is ok
         sender.join(TIMEOUT_S)
