@@ -114,7 +114,7 @@ def test_eos_ids_stop_when_not_ignored(tiny_model_dir):
 
 def test_a_parked_prompt_names_its_blocks_and_their_generations_until_they_are_handed_out_anew(tiny_model_dir):
     """What a KV handoff checks its reads against, without asking the engine loop: the blocks stay
-    the prompt's while parked, not once released and given to another request (docs/KV.md)."""
+    the prompt's while parked, not once released and given to another request."""
     import time
 
     prefill = scripted_engine(tiny_model_dir, {}, EngineConfig(role=Role.PREFILL, num_blocks=4, block_size=4,
