@@ -91,8 +91,11 @@ class ParkedKv:
     held_until: float
 
     def intact(self, block_ids: Sequence[int], live_generations: Sequence[int], now: float) -> bool:
-        """Whether `block_ids` (some of this prompt's blocks) still hold its KV: the lease had not run
-        out and none of them was handed out anew since it parked."""
+        """Whether `block_ids` (some of this prompt's blocks) still held its KV while they were read —
+        call it once the read is over: the lease had not run out and none of them was handed out
+        anew since it parked. (The engine bumps a block's generation before anything writes into it,
+        and both sides pass through locks between the write or read and the generation, so a read
+        that saw new bytes sees the new generation.)"""
         expected = dict(zip(self.block_ids, self.generations))
         return now < self.held_until and all(live_generations[b] == expected.get(b) for b in block_ids)
 
