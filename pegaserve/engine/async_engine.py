@@ -224,9 +224,6 @@ class AsyncEngine:
     async def received(self, request_id: str, ok: bool) -> None:
         await self.call(core.Received(request_id, ok))
 
-    async def parked_blocks(self, request_id: str) -> tuple[int, ...]:
-        return await self.call(core.ParkedBlocks(request_id))
-
     async def stats(self) -> EngineStats:
         return await self.call(core.GetStats())
 

@@ -60,13 +60,6 @@ class ReleaseRequest:
 
 
 @dataclass(frozen=True)
-class ParkedBlocks:
-    """Prefill role: the block ids of a parked request's prompt (answers a tuple, or KeyError)."""
-
-    request_id: str
-
-
-@dataclass(frozen=True)
 class ExportKv:
     """Prefill role, in process: the packed KV of a parked request from `first_block` on."""
 
@@ -79,8 +72,7 @@ class GetStats:
     pass
 
 
-Command = (AddRequest | Receive | AddHandoff | Received | AbortRequest | ReleaseRequest | ParkedBlocks
-           | ExportKv | GetStats)
+Command = AddRequest | Receive | AddHandoff | Received | AbortRequest | ReleaseRequest | ExportKv | GetStats
 
 
 @dataclass(frozen=True)
@@ -121,8 +113,6 @@ class EngineCore:
                 return engine.abort(request_id)
             case ReleaseRequest(request_id):
                 return engine.release(request_id)
-            case ParkedBlocks(request_id):
-                return engine.parked_block_ids(request_id)
             case ExportKv(request_id, first_block):
                 return engine.export_kv(request_id, first_block)
             case GetStats():

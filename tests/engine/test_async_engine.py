@@ -52,7 +52,7 @@ def test_a_failing_command_answers_its_caller_and_the_loop_goes_on(tiny_model_di
         with pytest.raises(RequestRejected):
             await collect(engine, greedy_request("big", [1] * 10, 5000))  # past the context
         with pytest.raises(KeyError):
-            await engine.parked_blocks("nobody")
+            await engine.call(core.ExportKv("nobody"))
         assert token_ids(await collect(engine, greedy_request("ok", [1, 2], 3))) == [64] * 3
         engine.shutdown()
 
