@@ -72,7 +72,7 @@ class AppArgs(BaseModel):
         "shm", description="how KV moves from prefill to decode: shm (shared memory between replicas of one node, "
         "gloo across nodes), gloo, nccl (GPUs) or object_store")
     transfer_timeout_s: float = Field(30.0, gt=0, description="a KV transfer that takes longer fails")
-    lease_timeout_s: float = Field(60.0, ge=0, description="prefill frees a prompt's KV blocks this long after parking them, if unfetched")
+    lease_timeout_s: float = Field(60.0, ge=0, description="prefill frees a prompt's unfetched KV after this")
     stream_interval: int = Field(
         1, ge=1, description="tokens per message from decode to the ingress and per SSE chunk (the first "
         "token and the finish are never held); more trades streaming granularity for throughput"

@@ -26,7 +26,7 @@ class SharedCache:
 
 @dataclass(frozen=True)
 class Lease:
-    """What decode needs to claim a prompt's KV from the prefill replica holding it."""
+    """What decode needs to fetch a prompt's KV from the prefill replica holding it."""
 
     request_id: str
     prefill_replica: str

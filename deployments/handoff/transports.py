@@ -74,16 +74,15 @@ class PairChannel(ABC):
         the bytes flow as soon as the peer sends, before any thread is scheduled here, and returns
         the rest, which blocks (for a worker thread) and returns the sender's verdict."""
         flag = torch.zeros(1, dtype=torch.int32, device=cache.device)
-        runs = slab_runs(cache, source_ids, target_ids)
-        if runs is None or not self.posts_at_once:
-            recv = functools.partial(self.recv_blocks, cache, source_ids, target_ids, staging)
-            flag_work = None  # posted after the blocks': such a channel matches messages in order
-        else:
-            recv = functools.partial(_wait_all, [self.post_recv(slab, tag) for tag, slab in enumerate(_slabs(cache, runs, 1))])
+        if self.posts_at_once:
+            finish = self._post_recvs(cache, source_ids, target_ids, staging)
             flag_work = self.post_recv(flag, _VERDICT_TAG)
+        else:  # posting blocks: all of it in the thread, the verdict after the blocks (matched in order)
+            finish = functools.partial(self.recv_blocks, cache, source_ids, target_ids, staging)
+            flag_work = None
 
         def rest() -> bool:
-            recv()
+            finish()
             (flag_work or self.post_recv(flag, _VERDICT_TAG)).wait()
             return bool(flag.item())
 
@@ -107,16 +106,25 @@ class PairChannel(ABC):
     def recv_blocks(self, cache: torch.Tensor, source_ids: Sequence[int], target_ids: Sequence[int],
                     staging: Staging) -> None:
         """Receive the peer's `send_blocks` into `cache[:, :, target_ids]`."""
+        self._post_recvs(cache, source_ids, target_ids, staging)()
+
+    def _post_recvs(self, cache: torch.Tensor, source_ids: Sequence[int], target_ids: Sequence[int],
+                    staging: Staging) -> Callable[[], None]:
+        """Post `recv_blocks`'s receives; returns the rest: wait for them (unpacking packed layers)."""
         runs = slab_runs(cache, source_ids, target_ids)
         if runs is not None:
-            _wait_all([self.post_recv(slab, tag) for tag, slab in enumerate(_slabs(cache, runs, side=1))])
-            return
+            works = [self.post_recv(slab, tag) for tag, slab in enumerate(_slabs(cache, runs, side=1))]
+            return functools.partial(_wait_all, works)
         index = torch.tensor(list(target_ids), device=cache.device)
         buffer = staging.take(packed_shape(cache, len(index)), cache.dtype, cache.device)
         works = [self.post_recv(buffer[layer], layer) for layer in range(cache.shape[0])]
-        for layer, work in enumerate(works):
-            work.wait()
-            unpack_layer(cache, layer, index, buffer[layer])
+
+        def unpack() -> None:  # each layer unpacked while the next arrives
+            for layer, work in enumerate(works):
+                work.wait()
+                unpack_layer(cache, layer, index, buffer[layer])
+
+        return unpack
 
 
 def _wait_all(works: list[Work]) -> None:
