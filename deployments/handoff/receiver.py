@@ -93,7 +93,7 @@ class KvReceiver:
                 return None  # the lease expired before prefill could put the KV in the store
             data = await lease.kv_ref[0]
             packed = kv_from_bytes(data, lease.kv_dtype, lease.kv_shape)[:, :, target.first_block :]
-            await asyncio.to_thread(unpack_blocks, self.engine.kv_cache, target.block_ids, packed)
+            await _to_the_end(asyncio.to_thread(unpack_blocks, self.engine.kv_cache, target.block_ids, packed))
             return packed.numel() * packed.element_size()
         source = lease.parked.block_ids[target.first_block :]
         if len(source) != len(target.block_ids):
