@@ -107,7 +107,9 @@ class _ServeEngineClient(EngineClient):
                 call = start(choices, tag, num_migrations > 0)
                 watcher = asyncio.ensure_future(_watch(call, queue, tag))
                 failure = None
-                async for output in _until_failure(queue, running, tag, self.stream_interval):
+                outputs = _outputs_until_failure(queue, running, tag) if self.stream_interval == 1 \
+                    else _until_failure(queue, running, tag, self.stream_interval)
+                async for output in outputs:
                     if isinstance(output, BaseException):
                         failure = output
                         break
@@ -154,9 +156,8 @@ async def _watch(call, queue: asyncio.Queue, tag: int) -> None:
 
 
 async def _until_failure(queue: asyncio.Queue, running: dict[str, list[SampledToken]], tag: int,
-                         stream_interval: int = 1):
-    """Outputs (updating `running`) until every choice finished, or a failure (yielded as the
-    exception), through the app's stream interval (`pegaserve.engine.stream_interval`)."""
+                         stream_interval: int):
+    """`_outputs_until_failure` through the app's stream interval (`pegaserve.engine.stream_interval`)."""
     interval = StreamInterval(stream_interval)
     async for item in _outputs_until_failure(queue, running, tag):
         if isinstance(item, BaseException):
@@ -170,14 +171,18 @@ async def _until_failure(queue: asyncio.Queue, running: dict[str, list[SampledTo
 
 
 async def _outputs_until_failure(queue: asyncio.Queue, running: dict[str, list[SampledToken]], tag: int):
+    """Outputs (updating `running`) until every choice finished, or a failure (yielded as the
+    exception). Once per token of every running request: kept lean."""
     deadline = None
     while running:
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-        try:
-            item = await asyncio.wait_for(queue.get(), timeout)
-        except asyncio.TimeoutError:
-            yield EngineFailed("the stream ended early")
-            return
+        if deadline is None:
+            item = await queue.get()
+        else:
+            try:
+                item = await asyncio.wait_for(queue.get(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                yield EngineFailed("the stream ended early")
+                return
         if isinstance(item, _Wake):
             continue
         if isinstance(item, _CallEnded):

@@ -28,6 +28,7 @@ from pegaserve.stop import Abort, Eos, Error, Length, StopCause, String, Token, 
 LATENCY_BUCKETS_S = [0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15,
                      0.25, 0.5, 0.75, 1, 1.5, 2.5, 5, 7.5, 10, 15, 20, 30, 45, 60, 90, 120]
 TAGS = ("model", "deployment")
+ITL_BATCH = 256  # inter-token gaps held before they go into the histogram (also at each finish)
 TRANSPORTS = ("shm", "gloo", "object_store", "nccl")
 EVERY_CAUSE: tuple[StopCause, ...] = (Eos(0), Token(0), String(""), Length(), Abort(), Error(""))
 
@@ -57,6 +58,7 @@ class IngressMetrics(RequestObserver):
 
     def __init__(self, model: str, deployment: str = "Ingress") -> None:
         self.tags = {"model": model, "deployment": deployment}
+        self._gaps_s: list[float] = []  # inter-token gaps not yet in `itl`
         self.ttft = Histogram("pegaserve_ttft_seconds", "time to first token", LATENCY_BUCKETS_S, TAGS)
         self.itl = Histogram("pegaserve_inter_token_latency_seconds", "time between tokens", LATENCY_BUCKETS_S, TAGS)
         self.e2e = Histogram("pegaserve_e2e_latency_seconds", "request latency", LATENCY_BUCKETS_S, TAGS)
@@ -73,10 +75,21 @@ class IngressMetrics(RequestObserver):
         self.ttft.observe(ttft_s)
 
     def tokens(self, num_tokens: int, seconds_since_last: float) -> None:
-        for _ in range(num_tokens):
-            self.itl.observe(seconds_since_last / num_tokens)
+        if num_tokens:  # (a delta may bring text or a finish alone)
+            self._gaps_s += [seconds_since_last / num_tokens] * num_tokens
+        if len(self._gaps_s) >= ITL_BATCH:
+            self._observe_gaps()
+
+    def _observe_gaps(self) -> None:
+        """The gaps kept so far, into the histogram in one go. There is one per token, and a Ray
+        metric record amid the replica's work costs ~4x what it costs in a row (measured in the
+        ingress under load: ~18 us against ~4.5 us)."""
+        gaps_s, self._gaps_s = self._gaps_s, []
+        for gap_s in gaps_s:
+            self.itl.observe(gap_s)
 
     def finished(self, cause: StopCause, prompt_tokens: int, completion_tokens: int, e2e_s: float) -> None:
+        self._observe_gaps()
         self.e2e.observe(e2e_s)
         if prompt_tokens:
             self.prompt_tokens.inc(prompt_tokens)

@@ -20,13 +20,19 @@ def parse_body(raw: bytes, model: type[Model]) -> Model:
         raise ApiError(f"malformed JSON: {exc}", param=None) from exc
     if not isinstance(data, dict):
         raise ApiError("the request body must be a JSON object", param=None)
-    for key, value in data.items():
+    for key, value in data.items() if _may_hold_surrogates(raw) else ():
         if not _encodable(key) or not _encodable(value):
             raise invalid(key if _encodable(key) else "body", "holds text that is not valid Unicode (a lone surrogate)")
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         raise _first_complaint(exc) from None
+
+
+def _may_hold_surrogates(raw: bytes) -> bool:
+    """A lone surrogate reaches the parsed body only as a `\\u` escape or as raw UTF-8-style bytes
+    (0xED 0xA0-0xBF, which `json.loads` lets through): a body with neither needs no walk."""
+    return b"\\u" in raw or b"\xed" in raw
 
 
 def _encodable(value: object) -> bool:

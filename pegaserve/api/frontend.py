@@ -111,6 +111,8 @@ class Frontend:
 
     def _deltas(self, job: Job) -> AsyncIterator[tuple[int, ChoiceDelta]]:
         """Every choice's deltas, interleaved as they arrive, with their wire index."""
+        if len(job.prompts) == 1:
+            return self._run_prompt(job, 0)
         return _merge([self._run_prompt(job, p) for p in range(len(job.prompts))])
 
     async def _run_prompt(self, job: Job, p: int) -> AsyncIterator[tuple[int, ChoiceDelta]]:
@@ -221,13 +223,8 @@ class _PromptRun:
 
 
 async def _merge(streams: list[AsyncIterator]) -> AsyncIterator:
-    """Interleave several iterators' items as they arrive (one needs no tasks); the first failure
-    ends the merge and cancels the rest."""
-    if len(streams) == 1:
-        async with aclosing(streams[0]) as only:
-            async for item in only:
-                yield item
-        return
+    """Interleave several iterators' items as they arrive; the first failure ends the merge and
+    cancels the rest."""
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
