@@ -11,6 +11,7 @@ from deployments.engine_server import EngineServer
 from deployments.handoff.protocol import Lease
 from deployments.handoff.receiver import KvReceiver
 from deployments.metrics import TransferMetrics
+from pegaserve.engine import core
 from pegaserve.engine.config import Role
 from pegaserve.engine.request import EngineRequest, Handoff, SampledToken
 from pegaserve.ledger import Fallback, KvReceived
@@ -34,6 +35,8 @@ class Decode(EngineServer):
         await self._serve(request, handoff.choice_ids, reply_to, tag, self._receive(handoff, lease))
 
     async def _receive(self, handoff: Handoff, lease: Lease) -> None:
+        if self.receiver.copies_in_engine(lease):
+            return await self._receive_in_engine(handoff, lease)
         request_id = handoff.request.request_id
         target = await self.engine.receive(handoff)
         if target is None:
@@ -42,10 +45,29 @@ class Decode(EngineServer):
         await self.engine.received(request_id, transfer.ok)
         if not transfer.ok:
             return self._fell_back(handoff, transfer.transport, transfer.reason)
-        cached_bytes = target.first_block * lease.block_bytes  # already in this replica's prefix cache
-        self.transfers.transferred(transfer.transport, transfer.kv_bytes, transfer.seconds, cached_bytes)
-        self.ledger.record([KvReceived(c, transfer.transport, transfer.kv_bytes, transfer.seconds, self.name,
-                                       cached_bytes) for c in handoff.choice_ids])
+        self._received(handoff, lease, transfer.transport, transfer.kv_bytes, transfer.seconds, target.first_block)
+
+    async def _receive_in_engine(self, handoff: Handoff, lease: Lease) -> None:
+        """shm on one node: the engine copies the blocks out of the prefill engine's cache as it
+        admits the request, so the request runs in the next step."""
+        choice_ids = tuple(handoff.choice_ids)
+        source = core.SharedKv(lease.shared.path, lease.shared.shape, lease.parked)
+        receipt = await self.engine.call(core.AddSharedHandoff(handoff, source))
+        if receipt is None:
+            return self._fell_back(handoff, "shm", "no free blocks to import")
+        kv_bytes = receipt.num_blocks * lease.block_bytes
+        await self.receiver.copied(lease, choice_ids, kv_bytes, receipt.seconds, receipt.held)  # prefill frees
+        if not receipt.held:
+            return self._fell_back(handoff, "shm", "lease expired or unknown")
+        first_block = len(lease.parked.block_ids) - receipt.num_blocks
+        self._received(handoff, lease, "shm", kv_bytes, receipt.seconds, first_block)
+
+    def _received(self, handoff: Handoff, lease: Lease, transport: str, kv_bytes: int, seconds: float,
+                  first_block: int) -> None:
+        cached_bytes = first_block * lease.block_bytes  # already in this replica's prefix cache
+        self.transfers.transferred(transport, kv_bytes, seconds, cached_bytes)
+        self.ledger.record([KvReceived(c, transport, kv_bytes, seconds, self.name, cached_bytes)
+                            for c in handoff.choice_ids])
 
     def _fell_back(self, handoff: Handoff, transport: str, reason: str) -> None:
         self.transfers.fallback(transport)

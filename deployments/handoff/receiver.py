@@ -32,6 +32,9 @@ from pegaserve.engine.scheduler import ReceiveTarget
 
 log = logging.getLogger("ray.serve")
 MAX_MAPPED_CACHES = 8  # prefill caches kept mapped (one per prefill replica of this node)
+# The engine copies a prompt's KV between steps up to this size (~0.7 ms at 8 MiB); a bigger prompt
+# is copied here, beside the engine, at the price of one more wait for a step boundary.
+ENGINE_COPY_MAX_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -119,10 +122,26 @@ class KvReceiver:
                                             list(target.block_ids)))
         held = lease.parked.intact(source, generations, time.monotonic())  # one node: the engine's clock is ours
         kv_bytes = len(source) * lease.block_bytes
-        async with self._locks[lease.address]:
-            peer = await self._peer(lease)
-        peer.connection.send(Copied(lease.request_id, choice_ids, kv_bytes, time.perf_counter() - start, held))
+        await self.copied(lease, choice_ids, kv_bytes, time.perf_counter() - start, held)
         return kv_bytes if held else None
+
+    def copies_in_engine(self, lease: Lease) -> bool:
+        """Whether this replica's engine should copy the prompt's KV itself, between two steps
+        (`AddSharedHandoff`): shm on one node, and few enough bytes not to hold up its next step."""
+        num_bytes = len(lease.parked.block_ids) * lease.block_bytes
+        return self.transport_for(lease) == "shm" and num_bytes <= ENGINE_COPY_MAX_BYTES
+
+    async def copied(self, lease: Lease, choice_ids: tuple[str, ...], kv_bytes: int, seconds: float,
+                     held: bool) -> None:
+        """Tell the prefill replica its blocks were read (or read too late): it may free them. If it
+        cannot be told (gone), its lease runs out on its own."""
+        try:
+            async with self._locks[lease.address]:
+                peer = await self._peer(lease)
+        except (OSError, asyncio.TimeoutError) as exc:
+            log.warning("cannot tell %s that %s was copied (%s)", lease.prefill_replica, lease.request_id, exc)
+            return
+        peer.connection.send(Copied(lease.request_id, choice_ids, kv_bytes, seconds, held))
 
     async def _pull(self, peer: _Peer, fetch: Fetch, lease: Lease) -> int | None:
         """Post the receives straight into the target blocks, then ask for the bytes; the sender's

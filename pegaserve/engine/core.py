@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from pegaserve.engine.engine import Engine
-from pegaserve.engine.request import EngineRequest, Handoff, StepOutput
+from pegaserve.engine.request import EngineRequest, Handoff, ParkedKv, StepOutput
 
 log = logging.getLogger(__name__)
 LEASE_CHECK_PERIOD_S = 0.5
+MAX_MAPPED_SOURCES = 8  # other engines' caches kept mapped (one per prefill engine of this node)
 
 
 # --- commands ------------------------------------------------------------------------------------
@@ -41,6 +45,25 @@ class AddHandoff:
     """Decode role: admit a handoff whose packed KV (or None) travels with it (answers imported?)."""
 
     handoff: Handoff
+
+
+@dataclass(frozen=True)
+class SharedKv:
+    """Where a prompt's KV lies in another engine's cache on this node: its shared-memory file
+    (`core_process.map_kv_file`) and the prompt's blocks there."""
+
+    path: str
+    shape: tuple[int, ...]  # the whole cache: [layers, 2, num_blocks, block_size, kv_heads, head_dim]
+    parked: ParkedKv
+
+
+@dataclass(frozen=True)
+class AddSharedHandoff:
+    """Decode role: admit a handoff and copy its KV from `source` in this boundary (answers a
+    `SharedReceipt`, or None when it recomputes for want of blocks)."""
+
+    handoff: Handoff
+    source: SharedKv
 
 
 @dataclass(frozen=True)
@@ -72,7 +95,8 @@ class GetStats:
     pass
 
 
-Command = AddRequest | Receive | AddHandoff | Received | AbortRequest | ReleaseRequest | ExportKv | GetStats
+Command = (AddRequest | Receive | AddHandoff | AddSharedHandoff | Received | AbortRequest | ReleaseRequest | ExportKv
+           | GetStats)
 
 
 @dataclass(frozen=True)
@@ -96,6 +120,7 @@ class EngineCore:
         self.num_failed_steps = 0
         self.last_progress_s = time.monotonic()
         self._leases_checked_s = 0.0
+        self._sources: OrderedDict[str, tuple[torch.Tensor, Sequence[int]]] = OrderedDict()  # path -> mapped
 
     def execute(self, command: Command):
         """Run one command between steps; exceptions reach the caller, never the loop."""
@@ -107,6 +132,8 @@ class EngineCore:
                 return engine.receive(handoff)
             case AddHandoff(handoff):
                 return engine.add_handoff(handoff)
+            case AddSharedHandoff(handoff, source):
+                return engine.add_shared_handoff(handoff, *self._mapped(source), source.parked)
             case Received(request_id, ok):
                 return engine.received(request_id, ok)
             case AbortRequest(request_id):
@@ -118,6 +145,24 @@ class EngineCore:
             case GetStats():
                 return engine.stats()
         raise TypeError(f"unknown engine command {command!r}")
+
+    def _mapped(self, source: SharedKv) -> tuple[torch.Tensor | None, Sequence[int]]:
+        """Another engine's cache and its blocks' generations, mapped once per file (the least
+        recently used unmapped); (None, ()) when the file is gone (its engine died)."""
+        from pegaserve.engine.core_process import map_kv_file  # noqa: PLC0415 - it imports this module
+
+        mapped = self._sources.pop(source.path, None)
+        if mapped is None:
+            try:
+                # Pages fault in on first touch: populating a whole cache here would stall the loop.
+                mapped = map_kv_file(source.path, source.shape, self.engine.kv_dtype, populate=False)
+            except (OSError, ValueError) as exc:
+                log.warning("cannot map the KV cache %s (%s); the prompt is recomputed", source.path, exc)
+                return None, ()
+            while len(self._sources) >= MAX_MAPPED_SOURCES:
+                self._sources.popitem(last=False)
+        self._sources[source.path] = mapped
+        return mapped
 
     def step(self) -> list[StepOutput]:
         """One engine step. A failure fails the step's requests, not the engine."""

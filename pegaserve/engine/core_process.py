@@ -96,9 +96,9 @@ _GENERATIONS_ALIGN = 4096  # the blocks start on a page of their own
 
 
 def map_kv_file(path: str, shape: tuple[int, ...], dtype: torch.dtype, create: bool = False,
-                with_blocks: bool = True) -> tuple[torch.Tensor | None, memoryview]:
-    """A KV cache file in shared memory: the blocks as a tensor (`with_blocks`; every page faulted
-    in now, or the handoff would pay a page fault per 4 KB it touches) and their generations
+                with_blocks: bool = True, populate: bool = True) -> tuple[torch.Tensor | None, memoryview]:
+    """A KV cache file in shared memory: the blocks as a tensor (`with_blocks`; with `populate`
+    every page faulted in now, or the handoff would pay a page fault per 4 KB it touches) and their generations
     (`BlockPool.generations`, int64 each). `create` makes it, zeroed; otherwise a missing file
     raises FileNotFoundError (never a fresh file of zeros taken for someone's KV)."""
     num_blocks = shape[2]
@@ -120,7 +120,8 @@ def map_kv_file(path: str, shape: tuple[int, ...], dtype: torch.dtype, create: b
     with warnings.catch_warnings():  # a writable mapping: torch's "non-writable buffer" warning does not apply
         warnings.simplefilter("ignore", UserWarning)
         cache = torch.frombuffer(mapping, dtype=dtype, offset=generation_bytes).view(shape)
-    pages.populate(cache)
+    if populate:
+        pages.populate(cache)
     return cache, generations
 
 

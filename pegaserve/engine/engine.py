@@ -10,6 +10,7 @@ first token (rule 22) and continues after it — or recomputes the prompt when n
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,8 +18,8 @@ import torch
 from pegaserve.engine.block_pool import BlockPool
 from pegaserve.engine.config import EngineConfig, Role, SpeculativeConfig
 from pegaserve.engine.kv_manager import KvCacheManager
-from pegaserve.engine.request import EngineRequest, Handoff, RequestState, StepOutput
-from pegaserve.engine.runner import ModelRunner
+from pegaserve.engine.request import EngineRequest, Handoff, ParkedKv, RequestState, StepOutput
+from pegaserve.engine.runner import ModelRunner, copy_blocks
 from pegaserve.engine.scheduler import ReceiveTarget, Scheduler
 from pegaserve.engine.spec import make_proposer
 
@@ -50,6 +51,17 @@ class EngineStats:
     num_accepted_tokens: int
     num_spec_steps: int
     num_spec_emitted_tokens: int
+
+
+@dataclass(frozen=True)
+class SharedReceipt:
+    """`add_shared_handoff`'s answer: the blocks read from the other engine's cache (those after
+    the prompt's prefix cached here) and whether they held the prompt throughout; if not, the
+    request recomputes its prompt."""
+
+    num_blocks: int
+    held: bool
+    seconds: float
 
 
 class Engine:
@@ -84,6 +96,25 @@ class Engine:
         self.runner.import_blocks(target.block_ids, handoff.kv[:, :, target.first_block :])
         self.received(handoff.request.request_id, ok=True)
         return True
+
+    def add_shared_handoff(self, handoff: Handoff, source: torch.Tensor | None, generations: Sequence[int],
+                           parked: ParkedKv) -> SharedReceipt | None:
+        """Continue a prefilled request whose KV lies in another engine's cache on this node
+        (`source`, mapped, or None when it could not be), copied here now: the request runs in the
+        next step, where `receive` + `received` around a copy by the caller take two step
+        boundaries. None: no room, the request recomputes its prompt (nothing was read)."""
+        target = self.receive(handoff)
+        if target is None:
+            return None
+        start = time.perf_counter()
+        cache = self.runner.kv_cache
+        source_ids = list(parked.block_ids[target.first_block :])
+        held = (source is not None and _same_layout(source, cache) and len(source_ids) == len(target.block_ids))
+        if held and source_ids:
+            copy_blocks(source, source_ids, cache, list(target.block_ids))
+            held = parked.intact(source_ids, generations, time.monotonic())  # one node: one clock
+        self.received(handoff.request.request_id, ok=held)
+        return SharedReceipt(len(source_ids), held, time.perf_counter() - start)
 
     def receive(self, handoff: Handoff) -> ReceiveTarget | None:
         """Decode role, KV still to come: blocks for the prompt after its cached prefix (the caller
@@ -190,3 +221,8 @@ class Engine:
             num_spec_steps=spec.num_steps,
             num_spec_emitted_tokens=spec.num_emitted_tokens,
         )
+
+
+def _same_layout(source: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Blocks of `source` can be copied into `cache` byte for byte (the number of blocks aside)."""
+    return source.dtype == cache.dtype and (*source.shape[:2], *source.shape[3:]) == (*cache.shape[:2], *cache.shape[3:])

@@ -1,6 +1,7 @@
 """Roles (prefill-only → decode-only equals colocated), preemption and block conservation."""
 
 import pytest
+import torch
 
 from pegaserve.engine.build import load_engine
 from pegaserve.engine.engine import EngineConfig, Role
@@ -134,3 +135,86 @@ def test_a_parked_prompt_names_its_blocks_and_their_generations_until_they_are_h
     assert not parked.intact(parked.block_ids, prefill.pool.generations, now)
     assert not parked.intact(parked.block_ids[-1:], prefill.pool.generations, now)
     assert parked.intact(parked.block_ids[:1], prefill.pool.generations, now)  # decode had the rest cached
+
+
+def shared_handoffs(prefill, decode, requests, source=None, generations=None):
+    """Prefill, then let decode copy each non-terminal prompt's KV out of prefill's cache itself
+    (`add_shared_handoff`); returns the tokens and each request's receipt."""
+    for request in requests:
+        prefill.add_request(request)
+    first = run_to_completion(prefill)
+    specs = {r.request_id: r for r in requests}
+    receipts = {}
+    for rid, outs in first.items():
+        if outs[0].finish is not None:
+            continue
+        receipts[rid] = decode.add_shared_handoff(
+            Handoff.single(specs[rid], outs[0].tokens[0]), prefill.runner.kv_cache if source is None else source,
+            prefill.pool.generations if generations is None else generations, outs[0].parked)
+        assert prefill.release(rid)
+    rest = run_to_completion(decode)
+    return {rid: token_ids(first[rid] + rest.get(rid, [])) for rid in first}, receipts
+
+
+def roles(tiny_model_dir):
+    return [load_engine(tiny_model_dir, EngineConfig(role=role, num_blocks=256), attention_backend="sdpa")
+            for role in (Role.PREFILL, Role.DECODE)]
+
+
+def test_decode_copies_a_prompt_out_of_prefill_s_cache_as_it_admits_it(tiny_model_dir, colocated_tokens):
+    prefill, decode = roles(tiny_model_dir)
+    requests = [greedy_request(f"r{i}", p, NEW_TOKENS) for i, p in enumerate(PROMPTS)]
+    tokens, receipts = shared_handoffs(prefill, decode, requests)
+    assert tokens == colocated_tokens
+    assert receipts and all(r.held and r.num_blocks > 0 for r in receipts.values())
+    for engine in (prefill, decode):
+        engine.pool.check_conservation()
+        assert engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
+@pytest.mark.parametrize("fault", ["blocks handed out anew", "cache not mapped"])
+def test_a_shared_prompt_that_did_not_hold_is_recomputed(tiny_model_dir, colocated_tokens, fault):
+    prefill, decode = roles(tiny_model_dir)
+    requests = [greedy_request(f"r{i}", p, NEW_TOKENS) for i, p in enumerate(PROMPTS)]
+    if fault == "cache not mapped":
+        tokens, receipts = shared_handoffs(prefill, decode, requests, source=torch.zeros(0))
+    else:
+        tokens, receipts = shared_handoffs(prefill, decode, requests, generations=[-1] * 256)
+    assert tokens == colocated_tokens  # the same tokens, from a recomputed prompt
+    assert receipts and not any(r.held for r in receipts.values())
+    decode.pool.check_conservation()
+    assert decode.pool.num_free_blocks == decode.pool.num_blocks
+
+
+def test_the_engine_loop_maps_prefill_s_cache_file_once_and_copies_from_it(tiny_model_dir, colocated_tokens,
+                                                                          tmp_path):
+    from pegaserve.engine.core import AddSharedHandoff, EngineCore, SharedKv
+    from pegaserve.engine.core_process import map_kv_file
+
+    prefill, decode = roles(tiny_model_dir)
+    shape = tuple(prefill.runner.kv_cache.shape)
+    path = str(tmp_path / "prefill-kv")
+    mapped, generations = map_kv_file(path, shape, prefill.kv_dtype, create=True)
+    prefill.runner.kv_cache = mapped  # prefill's engine process keeps its cache in such a file
+    prefill.pool.use_generations(generations)
+    requests = [greedy_request(f"r{i}", p, NEW_TOKENS) for i, p in enumerate(PROMPTS)]
+    for request in requests:
+        prefill.add_request(request)
+    first = run_to_completion(prefill)
+    loop = EngineCore(decode)
+    receipts = []
+    for request in requests:
+        (out,) = first[request.request_id]
+        if out.finish is None:
+            handoff = Handoff.single(request, out.tokens[0])
+            receipts.append(loop.execute(AddSharedHandoff(handoff, SharedKv(path, shape, out.parked))))
+    gone = greedy_request("gone", PROMPTS[1], NEW_TOKENS)
+    prefill.add_request(gone)
+    (out,) = run_to_completion(prefill)["gone"]
+    receipts_gone = loop.execute(AddSharedHandoff(Handoff.single(gone, out.tokens[0]),
+                                                  SharedKv(str(tmp_path / "no-such-file"), shape, out.parked)))
+    rest = run_to_completion(decode)
+    assert all(r.held for r in receipts) and not receipts_gone.held  # an unmappable cache: recomputed
+    assert {rid: token_ids(first[rid] + rest.get(rid, [])) for rid in first} == colocated_tokens
+    assert token_ids([out] + rest["gone"]) == colocated_tokens["r1"]
+    assert len(loop._sources) == 1  # mapped once for all the handoffs from it
