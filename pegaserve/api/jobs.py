@@ -107,7 +107,7 @@ def _split_prompts(prompt) -> list[str | list[int]]:
         return [prompt]
     if not prompt:
         raise invalid("prompt", "the prompt is empty")
-    if all(isinstance(p, int) for p in prompt):
+    if isinstance(prompt[0], int):  # the body's model admits no mixed list: one prompt of ids
         return [prompt]
     return list(prompt)
 
