@@ -86,8 +86,8 @@ def write_kv_report(result: dict, path: Path) -> None:
         "(raw SSE: the least client overhead between us and the timestamps).",
         "- **handoff** = the ledger's `handoff.seconds`: decode's view, from starting the fetch to the KV in its "
         "blocks and known good (checked against the lease's block generations and expiry; no step of the prefill "
-        "engine is waited for) — shm: decode copies the blocks straight out of the prefill engine's cache in shared "
-        "memory and checks them itself; gloo: decode posts its receives, asks, and prefill sends (runs of blocks as "
+        "engine is waited for) — shm: the decode engine copies the blocks straight out of the prefill engine's cache "
+        "in shared memory and checks them, between two of its steps, as it admits the request; gloo: decode posts its receives, asks, and prefill sends (runs of blocks as "
         "slabs cache to cache, else packed layer by layer) and then its verdict; object store: decode's get and "
         "unpack. "
         "**raw** = the same bytes between two plain Ray actors with nothing else (`benchmarks/kv/transport.py`): "

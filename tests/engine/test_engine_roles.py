@@ -22,22 +22,26 @@ def colocated_tokens(tiny_model_dir):
     return {rid: token_ids(outs) for rid, outs in outputs.items()}
 
 
-def prefill_then_decode(prefill, decode, requests, move_kv=True):
-    """Hand every non-terminal prefill over to decode, in process; returns outputs and import flags."""
+def prefill_then_decode(prefill, decode, requests, move_kv=True, hand_over=None):
+    """Prefill every request, hand each non-terminal one over to decode in process — its packed KV
+    (or none: `move_kv=False`) through `add_handoff`, or `hand_over(request, first output)` — then
+    decode to the end; returns the tokens, the first outputs and what each handover returned."""
     for request in requests:
         prefill.add_request(request)
     first = run_to_completion(prefill)
-    specs = {r.request_id: r for r in requests}
-    imported = {}
-    for rid, outs in first.items():
-        assert len(outs) == 1
-        if outs[0].finish is not None:
+    if hand_over is None:
+        def hand_over(request, out):
+            kv = prefill.export_kv(request.request_id) if move_kv else None
+            return decode.add_handoff(Handoff.single(request, out.tokens[0], kv))
+    handed = {}
+    for request in requests:
+        (out,) = first[request.request_id]
+        if out.finish is not None:
             continue  # terminal first token: nothing exported (rule 21)
-        kv = prefill.export_kv(rid) if move_kv else None
-        assert prefill.release(rid)
-        imported[rid] = decode.add_handoff(Handoff.single(specs[rid], outs[0].tokens[0], kv))
+        handed[request.request_id] = hand_over(request, out)
+        assert prefill.release(request.request_id)
     rest = run_to_completion(decode)
-    return {rid: token_ids(first[rid] + rest.get(rid, [])) for rid in first}, first, imported
+    return {rid: token_ids(first[rid] + rest.get(rid, [])) for rid in first}, first, handed
 
 
 def test_prefill_then_decode_equals_colocated(tiny_model_dir, colocated_tokens):
@@ -138,22 +142,15 @@ def test_a_parked_prompt_names_its_blocks_and_their_generations_until_they_are_h
 
 
 def shared_handoffs(prefill, decode, requests, source=None, generations=None):
-    """Prefill, then let decode copy each non-terminal prompt's KV out of prefill's cache itself
-    (`add_shared_handoff`); returns the tokens and each request's receipt."""
-    for request in requests:
-        prefill.add_request(request)
-    first = run_to_completion(prefill)
-    specs = {r.request_id: r for r in requests}
-    receipts = {}
-    for rid, outs in first.items():
-        if outs[0].finish is not None:
-            continue
-        receipts[rid] = decode.add_shared_handoff(
-            Handoff.single(specs[rid], outs[0].tokens[0]), prefill.runner.kv_cache if source is None else source,
-            prefill.pool.generations if generations is None else generations, outs[0].parked)
-        assert prefill.release(rid)
-    rest = run_to_completion(decode)
-    return {rid: token_ids(first[rid] + rest.get(rid, [])) for rid in first}, receipts
+    """Decode copies each prompt's KV out of prefill's cache itself (`add_shared_handoff`, by
+    default from prefill's own cache and generations); returns the tokens and the receipts."""
+    def hand_over(request, out):
+        return decode.add_shared_handoff(
+            Handoff.single(request, out.tokens[0]), prefill.runner.kv_cache if source is None else source,
+            prefill.pool.generations if generations is None else generations, out.parked)
+
+    tokens, _, receipts = prefill_then_decode(prefill, decode, requests, hand_over=hand_over)
+    return tokens, receipts
 
 
 def roles(tiny_model_dir):
