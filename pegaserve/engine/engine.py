@@ -9,6 +9,7 @@ first token (rule 22) and continues after it — or recomputes the prompt when n
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from pegaserve.engine.runner import ModelRunner, copy_blocks
 from pegaserve.engine.scheduler import ReceiveTarget, Scheduler
 from pegaserve.engine.spec import make_proposer
 
+log = logging.getLogger(__name__)
 __all__ = ["Engine", "EngineConfig", "EngineOverloaded", "EngineStats", "RequestRejected", "Role",
            "SpeculativeConfig"]
 
@@ -111,9 +113,14 @@ class Engine:
         source_ids = list(parked.block_ids[target.first_block :])
         held = (source is not None and _same_layout(source, cache) and len(source_ids) == len(target.block_ids))
         if held and source_ids:
-            copy_blocks(source, source_ids, cache, list(target.block_ids))
-            held = parked.intact(source_ids, generations, time.monotonic())  # one node: one clock
-        self.received(handoff.request.request_id, ok=held)
+            try:
+                copy_blocks(source, source_ids, cache, list(target.block_ids))
+            except (RuntimeError, IndexError) as exc:  # a lease naming blocks its cache lacks: recompute
+                log.warning("copying the KV of %s failed (%s)", handoff.request.request_id, exc)
+                held = False
+            else:
+                held = parked.intact(source_ids, generations, time.monotonic())  # one node: one clock
+        self.received(handoff.request.request_id, ok=held)  # never left receiving: the blocks are freed or used
         return SharedReceipt(len(source_ids), held, time.perf_counter() - start)
 
     def receive(self, handoff: Handoff) -> ReceiveTarget | None:

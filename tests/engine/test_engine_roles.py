@@ -169,12 +169,15 @@ def test_decode_copies_a_prompt_out_of_prefill_s_cache_as_it_admits_it(tiny_mode
         assert engine.pool.num_free_blocks == engine.pool.num_blocks
 
 
-@pytest.mark.parametrize("fault", ["blocks handed out anew", "cache not mapped"])
+@pytest.mark.parametrize("fault", ["blocks handed out anew", "cache not mapped", "blocks the cache lacks"])
 def test_a_shared_prompt_that_did_not_hold_is_recomputed(tiny_model_dir, colocated_tokens, fault):
     prefill, decode = roles(tiny_model_dir)
     requests = [greedy_request(f"r{i}", p, NEW_TOKENS) for i, p in enumerate(PROMPTS)]
     if fault == "cache not mapped":
         tokens, receipts = shared_handoffs(prefill, decode, requests, source=torch.zeros(0))
+    elif fault == "blocks the cache lacks":
+        empty = prefill.runner.kv_cache[:, :, :0].contiguous()  # the same layout, no blocks: copies fail
+        tokens, receipts = shared_handoffs(prefill, decode, requests, source=empty)
     else:
         tokens, receipts = shared_handoffs(prefill, decode, requests, generations=[-1] * 256)
     assert tokens == colocated_tokens  # the same tokens, from a recomputed prompt
