@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -26,7 +26,7 @@ from deployments.channel import Address, Connection, connect
 from deployments.handoff.protocol import Copied, Fetch, Lease, OpenPair, PairOffer, SharedCache
 from deployments.handoff.transports import GlooPair, NcclPair, PairChannel, Staging, kv_from_bytes
 from pegaserve.engine.async_engine import AsyncEngine
-from pegaserve.engine.core_process import map_kv_file
+from pegaserve.engine.kv_files import MappedKvFiles
 from pegaserve.engine.runner import copy_blocks, unpack_blocks
 from pegaserve.engine.scheduler import ReceiveTarget
 
@@ -61,7 +61,7 @@ class KvReceiver:
     timeout_s: float
     _peers: dict[Address, _Peer] = field(default_factory=dict)
     _locks: dict[Address, asyncio.Lock] = field(default_factory=lambda: defaultdict(asyncio.Lock))
-    _mapped: OrderedDict[str, tuple[torch.Tensor, Sequence[int]]] = field(default_factory=OrderedDict)
+    _mapped: MappedKvFiles = field(default_factory=lambda: MappedKvFiles(MAX_MAPPED_CACHES))
     _generation: int = 0
 
     def transport_for(self, lease: Lease) -> str:
@@ -159,15 +159,8 @@ class KvReceiver:
         return shared.node_id == ray.get_runtime_context().get_node_id()
 
     def _map(self, shared: SharedCache) -> tuple[torch.Tensor, Sequence[int]]:
-        """The prefill engine's cache and its blocks' generations, mapped once per file (the least
-        recently used unmapped)."""
-        mapped = self._mapped.pop(shared.path, None)
-        if mapped is None:
-            mapped = map_kv_file(shared.path, shared.shape, self.engine.kv_cache.dtype)
-            while len(self._mapped) >= MAX_MAPPED_CACHES:
-                self._mapped.popitem(last=False)
-        self._mapped[shared.path] = mapped
-        return mapped
+        """The prefill engine's cache and its blocks' generations."""
+        return self._mapped.get(shared.path, shared.shape, self.engine.kv_cache.dtype)
 
     async def _peer(self, lease: Lease) -> _Peer:
         peer = self._peers.get(lease.address)

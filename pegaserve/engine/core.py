@@ -11,18 +11,17 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from pegaserve.engine.engine import Engine
+from pegaserve.engine.kv_files import MappedKvFiles
 from pegaserve.engine.request import EngineRequest, Handoff, ParkedKv, StepOutput
 
 log = logging.getLogger(__name__)
 LEASE_CHECK_PERIOD_S = 0.5
-MAX_MAPPED_SOURCES = 8  # other engines' caches kept mapped (one per prefill engine of this node)
 
 
 # --- commands ------------------------------------------------------------------------------------
@@ -50,7 +49,7 @@ class AddHandoff:
 @dataclass(frozen=True)
 class SharedKv:
     """Where a prompt's KV lies in another engine's cache on this node: its shared-memory file
-    (`core_process.map_kv_file`) and the prompt's blocks there."""
+    (`kv_files.map_kv_file`) and the prompt's blocks there."""
 
     path: str
     shape: tuple[int, ...]  # the whole cache: [layers, 2, num_blocks, block_size, kv_heads, head_dim]
@@ -120,7 +119,8 @@ class EngineCore:
         self.num_failed_steps = 0
         self.last_progress_s = time.monotonic()
         self._leases_checked_s = 0.0
-        self._sources: OrderedDict[str, tuple[torch.Tensor, Sequence[int]]] = OrderedDict()  # path -> mapped
+        # Pages fault in on first touch: populating a whole cache would stall the loop.
+        self._sources = MappedKvFiles(populate=False)
 
     def execute(self, command: Command):
         """Run one command between steps; exceptions reach the caller, never the loop."""
@@ -147,22 +147,13 @@ class EngineCore:
         raise TypeError(f"unknown engine command {command!r}")
 
     def _mapped(self, source: SharedKv) -> tuple[torch.Tensor | None, Sequence[int]]:
-        """Another engine's cache and its blocks' generations, mapped once per file (the least
-        recently used unmapped); (None, ()) when the file is gone (its engine died)."""
-        from pegaserve.engine.core_process import map_kv_file  # noqa: PLC0415 - it imports this module
-
-        mapped = self._sources.pop(source.path, None)
-        if mapped is None:
-            try:
-                # Pages fault in on first touch: populating a whole cache here would stall the loop.
-                mapped = map_kv_file(source.path, source.shape, self.engine.kv_dtype, populate=False)
-            except (OSError, ValueError) as exc:
-                log.warning("cannot map the KV cache %s (%s); the prompt is recomputed", source.path, exc)
-                return None, ()
-            while len(self._sources) >= MAX_MAPPED_SOURCES:
-                self._sources.popitem(last=False)
-        self._sources[source.path] = mapped
-        return mapped
+        """Another engine's cache and its blocks' generations; (None, ()) when the file is gone
+        (its engine died)."""
+        try:
+            return self._sources.get(source.path, source.shape, self.engine.kv_dtype)
+        except (OSError, ValueError) as exc:
+            log.warning("cannot map the KV cache %s (%s); the prompt is recomputed", source.path, exc)
+            return None, ()
 
     def step(self) -> list[StepOutput]:
         """One engine step. A failure fails the step's requests, not the engine."""

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import mmap
 import os
 import pickle
 import select
@@ -28,15 +27,14 @@ import tempfile
 import threading
 import time
 import uuid
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from pegaserve.engine import pages
 from pegaserve.engine.async_engine import EngineDead, Transport
+from pegaserve.engine.kv_files import map_kv_file
 from pegaserve.engine.config import EngineConfig
 from pegaserve.engine.core import Command, EngineCore, Health, run_loop
 
@@ -92,37 +90,6 @@ def _share(engine) -> tuple:
 
 
 KV_FILE_PREFIX = "pegaserve-kv-"
-_GENERATIONS_ALIGN = 4096  # the blocks start on a page of their own
-
-
-def map_kv_file(path: str, shape: tuple[int, ...], dtype: torch.dtype, create: bool = False,
-                with_blocks: bool = True, populate: bool = True) -> tuple[torch.Tensor | None, memoryview]:
-    """A KV cache file in shared memory: the blocks as a tensor (`with_blocks`; with `populate`
-    every page faulted in now, or the handoff would pay a page fault per 4 KB it touches) and their generations
-    (`BlockPool.generations`, int64 each). `create` makes it, zeroed; otherwise a missing file
-    raises FileNotFoundError (never a fresh file of zeros taken for someone's KV)."""
-    num_blocks = shape[2]
-    generation_bytes = -(-8 * num_blocks // _GENERATIONS_ALIGN) * _GENERATIONS_ALIGN
-    numel = 1
-    for n in shape:
-        numel *= n
-    num_bytes = generation_bytes + (numel * dtype.itemsize if with_blocks else 0)
-    fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
-    try:
-        if create:
-            os.ftruncate(fd, num_bytes)
-        mapping = mmap.mmap(fd, num_bytes, mmap.MAP_SHARED)
-    finally:
-        os.close(fd)
-    generations = memoryview(mapping)[: 8 * num_blocks].cast("q")
-    if not with_blocks:
-        return None, generations
-    with warnings.catch_warnings():  # a writable mapping: torch's "non-writable buffer" warning does not apply
-        warnings.simplefilter("ignore", UserWarning)
-        cache = torch.frombuffer(mapping, dtype=dtype, offset=generation_bytes).view(shape)
-    if populate:
-        pages.populate(cache)
-    return cache, generations
 
 
 def _remove_orphans() -> None:
