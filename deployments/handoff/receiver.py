@@ -6,17 +6,20 @@ One connection per prefill replica. With `shm` and both replicas on one node, de
 prefill engine's KV cache (a file in shared memory), copies the blocks itself, checks them against
 their generations and tells prefill it may free them — no round trip. Otherwise the bytes travel
 over the connection's pair channel (gloo, nccl), one transfer at a time, the fetches of a pair in
-the same order on both sides. A transfer that fails or times out drops the connection and the pair
-(both sides start over), and the request recomputes its prompt.
+the same order on both sides (on gloo the fetch itself goes on the pair). A transfer that fails or
+times out drops the connection and the pair (both sides start over), and the request recomputes
+its prompt.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import pickle
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import ray
@@ -24,7 +27,7 @@ import torch
 
 from deployments.channel import Address, Connection, connect
 from deployments.handoff.protocol import Copied, Fetch, Lease, OpenPair, PairOffer, SharedCache
-from deployments.handoff.transports import GlooPair, NcclPair, PairChannel, Staging, kv_from_bytes
+from deployments.handoff.transports import GlooPair, NcclPair, PairChannel, Staging, Work, kv_from_bytes
 from pegaserve.engine.async_engine import AsyncEngine
 from pegaserve.engine.kv_files import MappedKvFiles
 from pegaserve.engine.runner import copy_blocks, unpack_blocks
@@ -150,8 +153,13 @@ class KvReceiver:
         if not lease.fits(tuple(cache.shape), str(cache.dtype).removeprefix("torch.")):
             raise ValueError(f"the prompt's KV ({lease.kv_dtype} {lease.kv_shape}) does not fit this cache")
         await self._open_pair(peer, lease)
-        finish = peer.pair.start_recv(cache, fetch.source_block_ids, fetch.target_block_ids, peer.staging)
-        peer.connection.send(fetch)
+        pair = peer.pair
+        finish = pair.start_recv(cache, fetch.source_block_ids, fetch.target_block_ids, peer.staging)
+        if pair.carries_fetches:  # straight to the sender's thread for this pair
+            asked = pair.post_fetch(pickle.dumps(fetch, protocol=pickle.HIGHEST_PROTOCOL))
+            finish = functools.partial(_after, asked, finish)
+        else:
+            peer.connection.send(fetch)
         held = await _to_the_end(asyncio.to_thread(finish))
         return len(fetch.source_block_ids) * lease.block_bytes if held else None
 
@@ -188,6 +196,13 @@ class KvReceiver:
         peer = self._peers.pop(address, None)
         if peer is not None:
             peer.connection.close()
+            if peer.pair is not None:
+                peer.pair.close()
+
+
+def _after(first: Work, then: Callable[[], bool]) -> bool:
+    first.wait()
+    return then()
 
 
 async def _to_the_end(copy):

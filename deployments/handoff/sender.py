@@ -3,7 +3,8 @@ ingress replicas (releases) connect to directly.
 
 Leases are the engine's parked requests: the engine keeps their blocks until a release or the
 lease's expiry; this server keeps no table of its own. Each connection's messages are served
-strictly in order, so a pair channel's sends happen in the order its receiver expects. The blocks
+strictly in order, so a pair channel's sends happen in the order its receiver expects; a gloo pair
+carries its fetches itself, to a thread of its own that sends the moment one arrives. The blocks
 are read straight from the KV cache the engine process shares with this replica, and checked
 against their generations once read — the engine loop is neither asked to copy nor to confirm.
 """
@@ -12,9 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import pickle
+import threading
 import time
 
 import ray
+import torch
 
 from deployments.channel import Address, Connection, Listener
 from deployments.handoff.protocol import (
@@ -27,6 +31,7 @@ from deployments.handoff.protocol import (
     SharedCache,
 )
 from deployments.handoff.transports import (
+    MAX_FETCH_BYTES,
     GlooPair,
     NcclPair,
     PairChannel,
@@ -123,39 +128,76 @@ class KvSender:
             connection.send(PairOffer(ray.util.get_node_ip_address(), store.port))
             pair = await asyncio.wait_for(asyncio.to_thread(GlooPair, store, 0, self.timeout_s), self.timeout_s)
         self.num_pairs += 1
+        if pair.carries_fetches:
+            threading.Thread(target=self._serve_pair, args=(pair, connection, asyncio.get_running_loop()),
+                             name=f"pegaserve-kv-pair-{self.num_pairs}", daemon=True).start()
         return pair
 
+    def _serve_pair(self, pair: PairChannel, connection: Connection, loop: asyncio.AbstractEventLoop) -> None:
+        """The thread of a pair that carries its own fetches (gloo): it waits for the next one and
+        sends at once — neither this replica's event loop nor a hop to a worker thread stands
+        between a fetch and its bytes. It ends with the pair (the peer closed it) or a failed send."""
+        buffer = torch.empty(MAX_FETCH_BYTES, dtype=torch.uint8)
+        staging = Staging()
+        while True:
+            fetch = held = None
+            start = time.perf_counter()
+            try:
+                fetch = pickle.loads(pair.recv_fetch(buffer))
+                start = time.perf_counter()
+                held = self._send_now(pair, staging, fetch)
+            except Exception:
+                if fetch is not None:  # otherwise the peer closed the pair: it starts over on a new connection
+                    log.exception("KV send of %s failed", fetch.request_id)
+            try:
+                loop.call_soon_threadsafe(self._sent, connection, fetch, held, time.perf_counter() - start)
+            except RuntimeError:  # the loop is closed: this replica is stopping
+                return
+            if held is None:
+                return
+
     async def _send(self, connection: Connection, pair: PairChannel | None, staging: Staging, fetch: Fetch) -> bool:
-        """Send the blocks and, once they are read, whether they were the prompt's KV (the transfer's
-        last message): the bytes always travel, so the pair stays in step whatever the verdict."""
+        """A fetch that came on the connection (nccl): the send, in a worker thread."""
         if pair is None:
             log.warning("a fetch of %s from %s before any pair channel", fetch.request_id, connection.peer)
             return False
         start = time.perf_counter()
-        cache = self.engine.kv_cache
+        try:
+            # shielded: once begun, the send completes even if this replica is told to stop, so the
+            # pair's two sides never disagree about what was sent
+            send = asyncio.to_thread(self._send_now, pair, staging, fetch)
+            held = await asyncio.shield(asyncio.wait_for(send, self.timeout_s))
+        except Exception:
+            log.exception("KV send of %s failed", fetch.request_id)
+            held = None
+        self._sent(connection, fetch, held, time.perf_counter() - start)
+        return held is not None
+
+    def _send_now(self, pair: PairChannel, staging: Staging, fetch: Fetch) -> bool:
+        """Send the blocks and, once they are read, whether they were the prompt's KV (the transfer's
+        last message): the bytes always travel, so the pair stays in step whatever the verdict."""
         generations = self.engine.kv_generations
 
         def verdict() -> bool:
             return fetch.parked.intact(fetch.source_block_ids, generations, time.monotonic())
 
-        try:
-            if self.delay_send_s:
-                await asyncio.sleep(self.delay_send_s)
-            # shielded: once begun, the send completes even if this replica is told to stop, so the
-            # pair's two sides never disagree about what was sent
-            send = asyncio.to_thread(pair.send_with_verdict, cache, fetch.source_block_ids, fetch.target_block_ids,
-                                     staging, verdict)
-            held = await asyncio.shield(asyncio.wait_for(send, self.timeout_s))
-        except Exception:
-            log.exception("KV send of %s failed", fetch.request_id)
-            self.engine.release(fetch.request_id)  # decode recomputes
-            return False
-        self.engine.release(fetch.request_id)
-        if held:
-            kv_bytes = len(fetch.source_block_ids) * block_bytes(cache)
-            self.ledger.record([KvSent(c, self.pair_transport, kv_bytes, time.perf_counter() - start, self.name,
-                                       connection.peer) for c in fetch.choice_ids])
-        return True
+        if self.delay_send_s:
+            time.sleep(self.delay_send_s)
+        return pair.send_with_verdict(self.engine.kv_cache, fetch.source_block_ids, fetch.target_block_ids,
+                                      staging, verdict)
+
+    def _sent(self, connection: Connection, fetch: Fetch | None, held: bool | None, seconds: float) -> None:
+        """After a send (`held`: its verdict; None: it failed, or the pair ended before a fetch):
+        the blocks are freed — decode has them or recomputes — and a failed pair's connection
+        closes, so the peer starts over on a new one."""
+        if fetch is not None:
+            self.engine.release(fetch.request_id)
+        if held is None:
+            connection.close()
+        elif held:
+            kv_bytes = len(fetch.source_block_ids) * block_bytes(self.engine.kv_cache)
+            self.ledger.record([KvSent(c, self.pair_transport, kv_bytes, seconds, self.name, connection.peer)
+                                for c in fetch.choice_ids])
 
     def _copied(self, connection: Connection, copied: Copied) -> None:
         """A decode replica of this node copied a lease's blocks out of the shared cache itself."""

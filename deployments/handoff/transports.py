@@ -7,8 +7,9 @@ one peer for life). `nccl` (GPUs) goes through `ray.util.collective` (cupy). `ob
 packs the prompt into the Ray object store at prefill time; the lease carries the reference.
 
 Pair channels block: callers run them in a worker thread, one transfer at a time per pair, in the
-order of their connection's messages (decode posts its receives before it sends the fetch, so the
-bytes flow the moment prefill sends). Both sides know both block lists (the fetch names them), so
+order of their fetches (decode posts its receives before it sends the fetch, so the bytes flow the
+moment prefill sends). On gloo the fetch itself travels on the pair, to a thread of the sender that
+waits for nothing else; on nccl it travels on the replicas' connection. Both sides know both block lists (the fetch names them), so
 they cut a transfer into the same messages: where the blocks lie in runs in both caches, each run of
 each layer's K or V is one contiguous slab sent straight from prefill's cache into decode's, nothing
 packed; otherwise the blocks are packed layer by layer, a layer travelling while the next is packed
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import struct
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
@@ -33,10 +35,14 @@ from pegaserve.engine.runner import Run, block_runs, pack_layer, unpack_layer
 
 MIN_SLAB_BYTES = 256 << 10  # below, a message's fixed cost (~30 us on loopback gloo) outweighs the copies it saves
 _VERDICT_TAG = 1 << 20  # past any block message's tag
+_FETCH_TAG = _VERDICT_TAG + 1
+MAX_FETCH_BYTES = 4 << 20  # a pickled `Fetch` (~10 bytes per block); a longer one fails, and decode recomputes
+_LENGTH = struct.Struct("<q")
+_NO_TIMEOUT = datetime.timedelta(days=365)  # a pair idles for as long as no prompt is handed over
 
 
 class Work(Protocol):
-    def wait(self) -> object: ...
+    def wait(self, timeout: datetime.timedelta = ...) -> object: ...
 
 
 class _Done:
@@ -51,9 +57,13 @@ class PairChannel(ABC):
     distinct tags; each side waits for all of them before the next transfer."""
 
     posts_at_once = False  # whether post_recv returns at once, the bytes landing from the channel's own threads
+    carries_fetches = False  # whether the fetch travels on the pair itself (`post_fetch`/`recv_fetch`)
 
     @abstractmethod
     def post_send(self, tensor: torch.Tensor, tag: int) -> Work: ...
+
+    def close(self) -> None:
+        """Leave the pair (nothing may be in flight on it): the peer's waits on it end."""
 
     @abstractmethod
     def post_recv(self, tensor: torch.Tensor, tag: int) -> Work: ...
@@ -87,6 +97,23 @@ class PairChannel(ABC):
             return bool(flag.item())
 
         return rest
+
+    def post_fetch(self, fetch: bytes) -> Work:
+        """Decode: a pickled fetch to the sender's `recv_fetch`, one message, posted (the channel's
+        threads send it; wait for the work before the transfer counts as over)."""
+        if len(fetch) + _LENGTH.size > MAX_FETCH_BYTES:
+            raise ValueError(f"a fetch of {len(fetch)} bytes (at most {MAX_FETCH_BYTES - _LENGTH.size})")
+        message = torch.frombuffer(bytearray(_LENGTH.pack(len(fetch)) + fetch), dtype=torch.uint8)
+        return self.post_send(message, _FETCH_TAG)
+
+    def recv_fetch(self, buffer: torch.Tensor) -> bytes:
+        """Prefill: the next pickled fetch, received into `buffer` (`MAX_FETCH_BYTES` of uint8; a
+        message shorter than the buffer fills its start). Blocks until one comes; raises once the
+        peer closed the pair."""
+        self.post_recv(buffer, _FETCH_TAG).wait(_NO_TIMEOUT)
+        raw = buffer.numpy()
+        (length,) = _LENGTH.unpack_from(raw)
+        return raw[_LENGTH.size : _LENGTH.size + length].tobytes()
 
     def send_blocks(self, cache: torch.Tensor, source_ids: Sequence[int], target_ids: Sequence[int],
                     staging: Staging) -> None:
@@ -180,6 +207,7 @@ class Staging:
 
 class GlooPair(PairChannel):
     posts_at_once = True
+    carries_fetches = True  # a receive shorter than its buffer is fine on gloo; the peer's end ends a wait
 
     def __init__(self, store: torch.distributed.TCPStore, rank: int, timeout_s: float) -> None:
         self._store = store  # the group keeps using it
@@ -195,6 +223,9 @@ class GlooPair(PairChannel):
     @staticmethod
     def join(host: str, port: int, timeout_s: float) -> torch.distributed.TCPStore:
         return torch.distributed.TCPStore(host, port, 2, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+
+    def close(self) -> None:
+        self._group = None  # the last reference: the group closes its connection to the peer
 
     def send(self, tensor: torch.Tensor) -> None:
         self.post_send(tensor, 0).wait()

@@ -6,7 +6,9 @@ fetch and decode recomputes. Over a real gloo pair, and over shared memory (deco
 of the prefill engine's cache file)."""
 
 import asyncio
+import dataclasses
 import os
+import threading
 import time
 import uuid
 from array import array
@@ -136,6 +138,73 @@ def test_gloo_a_lease_not_held_turns_the_bytes_away_and_the_pair_stays_in_step()
         assert torch.equal(decode_cache, expected_target(prefill.kv_cache, torch.zeros(SHAPE)))
         assert sender.num_pairs == 1  # the same pair carried all three
         assert await released(prefill, "r2") and prefill.released == ["gone", "reused", "r2"]
+
+    run("gloo", scenario)
+
+
+def pair_threads() -> int:
+    return sum(t.name.startswith("pegaserve-kv-pair") for t in threading.enumerate())
+
+
+def test_gloo_a_fetch_never_waits_for_the_senders_event_loop():
+    """On gloo the fetch travels on the pair itself, to the sender's thread for that pair, which
+    sends at once: a fetch goes through while the prefill replica's event loop is busy; only the
+    release of the blocks and the ledger record wait for the loop."""
+    sender_loop = asyncio.new_event_loop()
+    loop_thread = threading.Thread(target=sender_loop.run_forever, daemon=True)
+    loop_thread.start()
+    prefill = PrefillEngine(random_cache(1), array("q", bytes(8 * SHAPE[2])))
+    sender = KvSender(prefill, "prefill", "gloo", TIMEOUT_S, Ledger())
+    asyncio.run_coroutine_threadsafe(sender.start(), sender_loop).result(TIMEOUT_S)
+    busy, free = threading.Event(), threading.Event()
+
+    def block_the_loop() -> None:
+        busy.set()
+        free.wait(TIMEOUT_S)
+
+    async def main():
+        receiver = KvReceiver(DecodeEngine(random_cache(2)), "decode", "gloo", TIMEOUT_S)
+        assert (await receiver.fetch(lease_of(sender, "r1"), TARGET, ("r1",))).ok  # the pair opens
+        assert await released(prefill, "r1")
+        decode_cache = receiver.engine.kv_cache
+        decode_cache.zero_()
+        sender_loop.call_soon_threadsafe(block_the_loop)
+        assert busy.wait(TIMEOUT_S)
+        try:
+            transfer = await asyncio.wait_for(receiver.fetch(lease_of(sender, "r2"), TARGET, ("r2",)), TIMEOUT_S / 2)
+            assert transfer.ok and torch.equal(decode_cache, expected_target(prefill.kv_cache, torch.zeros(SHAPE)))
+            assert prefill.released == ["r1"]
+        finally:
+            free.set()
+        assert await released(prefill, "r2")
+        assert [r.request_id for r in sender.ledger.records] == ["r1", "r2"]
+
+    try:
+        asyncio.run(main())
+    finally:
+        free.set()
+        sender_loop.call_soon_threadsafe(sender.close)
+        sender_loop.call_soon_threadsafe(sender_loop.stop)
+        loop_thread.join(TIMEOUT_S)
+
+
+def test_gloo_the_senders_pair_thread_ends_with_the_pair():
+    """A failed fetch drops decode's pair; the sender's thread for it ends (none is left behind
+    per failure) and the next fetch opens a new pair."""
+
+    async def scenario(prefill, sender, receiver):
+        assert (await receiver.fetch(lease_of(sender, "r1"), TARGET, ("r1",))).ok
+        assert pair_threads() == 1
+        misfit = dataclasses.replace(lease_of(sender, "misfit"), kv_dtype="bfloat16")
+        failed = await receiver.fetch(misfit, TARGET, ("misfit",))
+        assert not failed.ok and failed.reason == "transfer failed: ValueError"
+        for _ in range(500):
+            if pair_threads() == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert pair_threads() == 0
+        assert (await receiver.fetch(lease_of(sender, "r2"), TARGET, ("r2",))).ok
+        assert sender.num_pairs == 2 and pair_threads() == 1
 
     run("gloo", scenario)
 
