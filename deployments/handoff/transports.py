@@ -9,12 +9,12 @@ packs the prompt into the Ray object store at prefill time; the lease carries th
 Pair channels block: callers run them in a worker thread, one transfer at a time per pair, in the
 order of their fetches (decode posts its receives before it sends the fetch, so the bytes flow the
 moment prefill sends). On gloo the fetch itself travels on the pair, to a thread of the sender that
-waits for nothing else; on nccl it travels on the replicas' connection. Both sides know both block lists (the fetch names them), so
-they cut a transfer into the same messages: where the blocks lie in runs in both caches, each run of
-each layer's K or V is one contiguous slab sent straight from prefill's cache into decode's, nothing
-packed; otherwise the blocks are packed layer by layer, a layer travelling while the next is packed
-and unpacked while the next arrives. The last message is the sender's verdict: whether what it read
-was still the prompt's KV.
+waits for nothing else; on nccl it travels on the replicas' connection. Both sides know both block
+lists (the fetch names them), so they cut a transfer into the same messages: where the blocks lie
+in runs in both caches, each run of each layer's K or V is one contiguous slab sent straight from
+prefill's cache into decode's, nothing packed; otherwise the blocks are packed layer by layer, a
+layer travelling while the next is packed and unpacked while the next arrives. The last message is
+the sender's verdict: whether what it read was still the prompt's KV.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from pegaserve.engine.runner import Run, block_runs, pack_layer, unpack_layer
 MIN_SLAB_BYTES = 256 << 10  # below, a message's fixed cost (~30 us on loopback gloo) outweighs the copies it saves
 _VERDICT_TAG = 1 << 20  # past any block message's tag
 _FETCH_TAG = _VERDICT_TAG + 1
-MAX_FETCH_BYTES = 4 << 20  # a pickled `Fetch` (~10 bytes per block); a longer one fails, and decode recomputes
+MAX_FETCH_BYTES = 4 << 20  # a pickled `Fetch`, ~11 bytes per block: a longer one fails and decode recomputes
 _LENGTH = struct.Struct("<q")
 _NO_TIMEOUT = datetime.timedelta(days=365)  # a pair idles for as long as no prompt is handed over
 
@@ -48,7 +48,7 @@ class Work(Protocol):
 class _Done:
     """A blocking transport's handle: the transfer is over when it is returned."""
 
-    def wait(self) -> None:
+    def wait(self, timeout: datetime.timedelta | None = None) -> None:
         return None
 
 
@@ -62,11 +62,11 @@ class PairChannel(ABC):
     @abstractmethod
     def post_send(self, tensor: torch.Tensor, tag: int) -> Work: ...
 
-    def close(self) -> None:
-        """Leave the pair (nothing may be in flight on it): the peer's waits on it end."""
-
     @abstractmethod
     def post_recv(self, tensor: torch.Tensor, tag: int) -> Work: ...
+
+    def close(self) -> None:
+        """Leave the pair (nothing may be in flight on it): the peer's waits on it end."""
 
     def send_with_verdict(self, cache: torch.Tensor, source_ids: Sequence[int], target_ids: Sequence[int],
                           staging: Staging, verdict: Callable[[], bool]) -> bool:
