@@ -4,7 +4,7 @@ The model calls `backend.forward(...)` once per layer; the backend writes the st
 the cache by slot mapping, then attends each query over its request's whole context (cached prefix
 plus the new tokens). A step may mix requests: decode tokens (one query each, or a few with
 speculative drafts) and prefill chunks (many queries, continuing after any cached prefix).
-`sdpa` is the torch reference; `triton` (kernels/) plugs in here.
+`sdpa` is the torch reference; `triton` (pegaserve_kernels/) plugs in here.
 """
 
 from __future__ import annotations

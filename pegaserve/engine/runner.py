@@ -108,7 +108,7 @@ class ModelRunner:
 
 def pack_blocks(kv_cache: torch.Tensor, block_ids) -> torch.Tensor:
     """`kv_cache[:, :, block_ids]`, contiguous: the handoff's packed form. On CUDA the Triton
-    gather kernel (kernels/block_copy.py) does it; elsewhere torch's index_select."""
+    gather kernel (pegaserve_kernels/block_copy.py) does it; elsewhere torch's index_select."""
     index = torch.tensor(list(block_ids), device=kv_cache.device)
     if kv_cache.is_cuda and _block_copy() is not None:
         return _block_copy().gather_blocks(kv_cache, index)

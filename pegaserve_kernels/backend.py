@@ -30,7 +30,7 @@ class TritonBackend(AttentionBackend):
         self._memo: tuple[AttentionBatch, torch.Tensor] | None = None
 
     def qk_norm_rope(self, q, k, q_norm, k_norm, rotary, positions):
-        """The fused kernel (kernels/norm_rope.py): one launch for both norms and both rotations."""
+        """The fused kernel (pegaserve_kernels/norm_rope.py): one launch for both norms and both rotations."""
         assert q_norm.eps == k_norm.eps
         return qk_norm_rope(q, k, q_norm.weight, k_norm.weight, rotary.cos, rotary.sin, positions, q_norm.eps)
 
