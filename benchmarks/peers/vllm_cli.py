@@ -11,9 +11,9 @@ Run it with the peers virtualenv's python and `-P`, as a file:
     .venv-peers/bin/python -P benchmarks/peers/vllm_cli.py serve MODEL_DIR ...
 
 `-P` keeps the current directory (the repository root, whose packages are not vLLM's to import)
-and this file's folder off `sys.path`; this file
-imports only the standard library and vLLM. The patch is made at import time, outside the main
-guard, on purpose: vLLM's worker processes re-import this file as their main module.
+and this file's folder off `sys.path`; this file imports only the standard library and vLLM. The
+patch is made at import time, outside the main guard, on purpose: vLLM's worker processes
+re-import this file as their main module.
 """
 
 import importlib.metadata as metadata
