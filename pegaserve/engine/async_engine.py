@@ -153,7 +153,7 @@ class AsyncEngine:
         """The outputs of every choice of `spec` until all have finished (interleaved); closing the
         iterator early aborts whatever is still running."""
         choice_ids = [spec.choice_id(i) for i in range(spec.n)]
-        outputs = await self._admit(choice_ids, core.AddRequest(spec))
+        outputs = await self._admit(spec.request_id, choice_ids, core.AddRequest(spec))
         async for output in self._drain(spec.request_id, choice_ids, outputs):
             yield output
 
@@ -161,7 +161,7 @@ class AsyncEngine:
         """Prefill role: each choice's first output. The non-terminal choices stay parked with the
         prompt's blocks until `release` (the caller owns that lease from here)."""
         choice_ids = [spec.choice_id(i) for i in range(spec.n)]
-        outputs = await self._admit(choice_ids, core.AddRequest(spec))
+        outputs = await self._admit(spec.request_id, choice_ids, core.AddRequest(spec))
         first: dict[str, StepOutput] = {}
         try:
             while len(first) < len(choice_ids):
@@ -180,19 +180,27 @@ class AsyncEngine:
         recomputed) and the outputs of its choices after their first tokens."""
         choice_ids = handoff.choice_ids
         imported: list[bool] = []
-        outputs = await self._admit(choice_ids, core.AddHandoff(handoff), imported.append)
+        outputs = await self._admit(handoff.request.request_id, choice_ids, core.AddHandoff(handoff),
+                                    imported.append)
         return imported[0], self._drain(handoff.request.request_id, choice_ids, outputs)
 
-    async def _admit(self, choice_ids: list[str], command: Command, on_answer=None) -> asyncio.Queue[StepOutput]:
+    async def _admit(self, request_id: str, choice_ids: list[str], command: Command,
+                     on_answer=None) -> asyncio.Queue[StepOutput]:
+        """Send a command that admits a request and register its choices' streams. A caller that
+        gives up while the command is on its way leaves nothing behind: the command is sent
+        already, so the engine admits the request, and the abort sent after it takes it out again
+        (a prefill's parked blocks would otherwise stay until the lease expires)."""
         self._ensure_started()  # (before registering: a new event loop drops the old one's streams)
         outputs: asyncio.Queue[StepOutput] = asyncio.Queue()
         for choice_id in choice_ids:
             self._streams[choice_id] = outputs
         try:
             answer = await self.call(command)
-        except BaseException:
+        except BaseException as exc:
             for choice_id in choice_ids:
                 self._streams.pop(choice_id, None)
+            if isinstance(exc, asyncio.CancelledError):
+                self.abort(request_id)
             raise
         if on_answer is not None:
             on_answer(answer)

@@ -3,6 +3,7 @@
 tokens as on a thread, and says so when it dies."""
 
 import asyncio
+import dataclasses
 import os
 import signal
 
@@ -12,7 +13,7 @@ from pegaserve.engine import core
 from pegaserve.engine.async_engine import AsyncEngine, EngineDead
 from pegaserve.engine.build import load_engine
 from pegaserve.engine.core_process import EngineSpec, ProcessTransport
-from pegaserve.engine.engine import EngineConfig, RequestRejected
+from pegaserve.engine.engine import EngineConfig, RequestRejected, Role
 from pegaserve.engine.offline import token_ids
 from pegaserve.stop import Error, Length
 from pegaserve.testing.scripted import scripted_engine
@@ -41,6 +42,34 @@ def test_a_cancelled_caller_never_kills_the_loop(tiny_model_dir):
         assert engine.health().alive and engine.health().num_failed_steps == 0
         stats = await engine.stats()
         assert stats.num_running == stats.num_waiting == 0 and stats.num_free_blocks == stats.num_blocks
+        engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_prefill_cancelled_while_it_is_admitted_leaves_nothing_parked(tiny_model_dir):
+    """The caller gives up while the admission is on its way (the command sent, its answer not in):
+    the engine admits and prefills the request anyway, so the prompt's blocks would stay parked
+    until the lease expires — unless the abort follows the admission."""
+
+    async def main():
+        config = EngineConfig(role=Role.PREFILL, num_blocks=64, lease_timeout_s=600)
+        engine = AsyncEngine.in_thread(scripted_engine(tiny_model_dir, {}, config))
+        for i in range(20):
+            request = dataclasses.replace(greedy_request(f"p{i}", [1, 2, 3, 4, 5], 8), n=1 + i % 2)
+            task = asyncio.ensure_future(engine.prefill(request))
+            await asyncio.sleep(0)  # the AddRequest is sent; its answer has not come back
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        stats = await engine.stats()
+        for _ in range(100):  # the last admissions may still be prefilling
+            if stats.num_parked == stats.num_running == stats.num_waiting == 0:
+                break
+            await asyncio.sleep(0.02)
+            stats = await engine.stats()
+        assert (stats.num_parked, stats.num_running, stats.num_waiting) == (0, 0, 0)
+        assert stats.num_free_blocks == stats.num_blocks
         engine.shutdown()
 
     asyncio.run(main())
