@@ -6,6 +6,7 @@ text and usage — and the ledger shows the migrations with no invariant broken.
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import json
 import random
@@ -67,14 +68,21 @@ async def stream(client: httpx.AsyncClient, url: str, request: dict, on_chunk=No
                 logprobs += choice["logprobs"]["token_logprobs"] if choice["logprobs"] else []
                 finish = choice["finish_reason"] or finish
             if on_chunk is not None:
-                on_chunk()
+                on_chunk(rid)
     return {"id": rid, "text": text, "token_ids": ids, "logprobs": logprobs, "finish": finish, "usage": usage}
 
 
-def busiest_decode(url: str):
-    """The decode replica running the most requests (by its latest stats), so that most of them move."""
-    stats = httpx.get(f"{url}/admin/stats", timeout=10).json()
-    name = max((n for n in stats if "/Decode#" in n), key=lambda n: stats[n]["num_running"])
+def busiest_decode(url: str, request_ids: list[str]):
+    """The decode replica generating the most of `request_ids`, so that most of them move. Taken
+    from the ledger (which replica received each one's KV), not from the replicas' stats: those
+    are posted periodically and can still read idle a moment into a burst."""
+    counts: collections.Counter[str] = collections.Counter()
+    for request_id in request_ids:
+        handoff = httpx.get(f"{url}/admin/ledger/{request_id}", timeout=10).json().get("handoff") or {}
+        if handoff.get("decode_replica"):
+            counts[handoff["decode_replica"]] += 1
+    assert counts, "no request has reached a decode replica"
+    name = counts.most_common(1)[0][0]
     return ray.get_actor(f"SERVE_REPLICA::{name.replace('/', '#')}", namespace="serve")
 
 
@@ -91,13 +99,15 @@ def test_killing_a_decode_replica_mid_stream_loses_and_repeats_nothing(url):
     reference = run_all(url)
     assert all(r["finish"] for r in reference)
     chunks = [0] * NUM_REQUESTS
+    request_ids: list[str] = [""] * NUM_REQUESTS
     killed = threading.Event()
 
-    def kill_one_decode(i: int) -> None:
+    def kill_one_decode(i: int, request_id: str) -> None:
         chunks[i] += 1
+        request_ids[i] = request_id
         if min(chunks) >= 3 and not killed.is_set():  # every request past its prefill, on a decode replica
             killed.set()
-            ray.kill(busiest_decode(url), no_restart=True)
+            ray.kill(busiest_decode(url, request_ids), no_restart=True)
 
     started = time.monotonic()
     disturbed = run_all(url, kill_one_decode)
