@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 CONFIG ?= configs/cluster.yaml
 
-.PHONY: install model serve serve-colocated test test-fast bench-engine bench loadtest soak gpu-check clean
+.PHONY: install model serve serve-colocated test test-fast bench-engine bench-ingress bench loadtest soak gpu-check clean
 
 install: $(VENV)/.installed
 
@@ -35,6 +35,10 @@ test: model
 
 bench-engine: model
 	$(PY) -m benchmarks.engine
+
+# pegaserve's own OpenAI app per output token and per request, in process, no Ray (~15 s)
+bench-ingress: model
+	$(PY) -m benchmarks.ingress
 
 clean:
 	rm -rf $(VENV) models .pytest_cache

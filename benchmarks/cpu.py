@@ -41,6 +41,8 @@ def _label(process: psutil.Process) -> str:
         return "driver (bench client)"
     base = os.path.basename(first)
     if base.startswith("python"):
+        if "-m" in cmdline[1:-1]:  # `python -m pegaserve.engine.core_process ...`: the module
+            return cmdline[cmdline.index("-m", 1) + 1]
         script = next((os.path.basename(a) for a in cmdline[1:] if a.endswith(".py")), base)
         return re.sub(r"\.py$", "", script)
     return base
@@ -93,6 +95,22 @@ class CpuMeter:
             before = self._before.get(pid)
             by_component[label] += cpu_s - (before[1] if before else 0.0)
         return CpuUsage(wall_s, {k: v for k, v in by_component.most_common() if v > 0.005}, busy)
+
+
+def idle_rates(sample_s: float) -> dict[str, float]:
+    """CPU-seconds per second each component of this process tree spends with no load on it."""
+    meter = CpuMeter()
+    meter.start()
+    time.sleep(sample_s)
+    return {label: cpu_s / sample_s for label, cpu_s in meter.stop(sample_s).by_component_s.items()}
+
+
+def during_load(usage: CpuUsage, load_s: float, idle_per_s: dict[str, float]) -> dict[str, float]:
+    """`usage`'s CPU-seconds per component less what the component spends idle over the part of
+    the window without load (`usage.wall_s - load_s`: a client starting up and reporting)."""
+    idle_s = max(0.0, usage.wall_s - load_s)
+    return {label: max(0.0, cpu_s - idle_per_s.get(label, 0.0) * idle_s)
+            for label, cpu_s in usage.by_component_s.items()}
 
 
 def others_cores(sample_s: float = 1.0) -> float:

@@ -21,6 +21,26 @@ METRICS = (
 )
 
 
+ENGINE_PROCESSES = ("VLLM::", "pegaserve.engine.core_process")  # label prefixes: where the model runs
+# label prefixes of the processes a request and its tokens pass through outside the engines: the
+# HTTP servers, the replicas wrapping the engines, the proxies
+SERVING_PROCESSES = ("ServeReplica:", "haproxy", "ProxyActor", "vllm_cli")
+BENCH_CLIENT = "driver (bench client)"
+
+
+def cpu_split(by_component_s: dict[str, float]) -> dict[str, float]:
+    """CPU-seconds by kind: `serving` (the path outside the engines), `engine`, `rest` (Ray's and
+    Serve's own processes, ledger, ...); the benchmark's own process is left out."""
+    split = {"serving": 0.0, "engine": 0.0, "rest": 0.0}
+    for label, cpu_s in by_component_s.items():
+        if label == BENCH_CLIENT:
+            continue
+        kind = ("engine" if label.startswith(ENGINE_PROCESSES) else
+                "serving" if label.startswith(SERVING_PROCESSES) else "rest")  # fmt: skip
+        split[kind] += cpu_s
+    return split
+
+
 def temperature_label(temperature: float | None) -> str:
     return "server default (1.0, sampling)" if temperature is None else f"greedy (temperature {temperature:g})"
 
@@ -69,6 +89,35 @@ def _level_table(systems: list[dict], temperature: float | None, concurrency: in
         ratios = [_ratio(run["result"].get(key), reference["result"].get(key)) for _, key, _ in METRICS]
         lines.append(f"| *{system['name']} / vLLM* | | " + " | ".join(ratios) + " | |")
     return lines
+
+
+def _cpu_table(systems: list[dict], raw: dict) -> list[str]:
+    """CPU-ms per output token while the load ran, by kind, and the serving path's processes."""
+    lines = ["| temperature | concurrency | system | serving path | its processes | engines | Ray and the rest |",
+             "|---|---:|---|---:|---|---:|---:|"]
+    for temperature in raw["settings"]["temperatures"]:
+        for concurrency in raw["settings"]["concurrency"]:
+            for system in systems:
+                runs = [r for r in system["runs"] if "cpu_during_load_s" in r
+                        and (r["temperature"], r["concurrency"]) == (temperature, concurrency)]
+                if not runs:
+                    continue
+                per_token = [{k: cpu_s * 1e3 / r["result"]["total_output_tokens"]
+                              for k, cpu_s in r["cpu_during_load_s"].items()} for r in runs]
+                labels = {k for ms in per_token for k in ms if k.startswith(SERVING_PROCESSES)}
+                parts = sorted(((statistics.median(ms.get(k, 0.0) for ms in per_token), k) for k in labels),
+                               reverse=True)
+                split = [cpu_split(ms) for ms in per_token]
+                cells = [_spread([x[kind] for x in split]) for kind in ("serving", "engine", "rest")]
+                named = ", ".join(f"{k.removeprefix('ServeReplica:')} {v:.2f}" for v, k in parts if v >= 0.005)
+                lines.append(f"| {temperature_label(temperature)} | {concurrency} | {system['name']} | {cells[0]} | "
+                             f"{named} | {cells[1]} | {cells[2]} |")  # fmt: skip
+    return lines if len(lines) > 2 else []
+
+
+def _spread(values: list[float]) -> str:
+    median = f"{statistics.median(values):.2f}"
+    return median if len(values) < 2 else f"{median} ({min(values):.2f}-{max(values):.2f})"
 
 
 def _ratio(ours, theirs) -> str:
@@ -151,6 +200,17 @@ def write_report(raw: dict, out: Path) -> None:
         for concurrency in settings["concurrency"]:
             lines += [f"## {temperature_label(temperature).capitalize()}, concurrency {concurrency}", "",
                       *_level_table(systems, temperature, concurrency), ""]  # fmt: skip
+    cpu = _cpu_table(systems, raw)
+    if cpu:
+        lines += ["## CPU per output token, while the load ran", "",
+                  "CPU-ms per output token of every process the system started, from a per-process meter around "
+                  "each client run, less what each process spends idle (metered for "
+                  f"{settings.get('idle_s', 8):.0f} s after the warm-up) over the part of the window with no "
+                  "request in flight (the client's start-up, mostly vLLM's imports). *Serving path*: the "
+                  "processes outside the engines that requests and tokens pass through (HTTP servers, proxies, "
+                  "the replicas around the engines); *engines*: the model's processes; *Ray and the rest*: Ray's and "
+                  "Serve's own processes, pegaserve's ledger and stats actors. Medians over the rounds, their "
+                  "range in parentheses.", "", *cpu, ""]  # fmt: skip
     failed = [s for s in systems if s["error"]]
     if failed:
         lines += ["## Failures", ""] + [f"- {s['name']}: `{s['error'].splitlines()[0]}`" for s in failed] + [""]

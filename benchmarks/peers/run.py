@@ -5,8 +5,10 @@ by default), waited for until a completion succeeds, warmed up, measured with th
 `vllm bench serve` invocations (random 128-token prompts, 64 output tokens, EOS ignored, seed 0) at
 every concurrency, greedy and at the server's default temperature, and stopped before the next
 one starts. With `--rounds N` the whole sequence repeats N times (A B C A B C ...), so that a
-shared machine's slow minutes fall on every system alike; the report gives each figure's median. Writes docs/bench/PEERS.md, peers.json and peers.png; the client's own result files
-and every server's log stay in the run directory (printed at the start).
+shared machine's slow minutes fall on every system alike; the report gives each figure's median.
+Every process's CPU is metered around each client run, less what it spends idle (metered after the
+warm-up) while no request is in flight. Writes docs/bench/PEERS.md, peers.json and peers.png; the
+client's own result files and every server's log stay in the run directory (printed at the start).
 
     python -m benchmarks.peers [--systems vllm,pd,colocated] [--concurrency 1,16,32] [--num-prompts 64] [--rounds 2]
 
@@ -31,8 +33,9 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.cpu import CpuMeter, QuietGate
+from benchmarks.cpu import CpuMeter, QuietGate, during_load, idle_rates
 from benchmarks.peers.client import INPUT_TOKENS, OUTPUT_TOKENS, SEED, ClientRun, run_client
+from benchmarks.peers.report import cpu_split
 from benchmarks.peers.servers import (
     PEGASERVE_PORT,
     Launch,
@@ -56,6 +59,7 @@ SYSTEM_NAMES = {
 TEMPERATURES = (0.0, None)  # greedy, and no temperature sent (the server's default, 1.0)
 CONFIG = REPO_ROOT / "configs" / "cluster.yaml"
 WARMUP_PROMPTS = 8
+IDLE_S = 8.0  # how long each system's idle CPU is metered, after its warm-up
 
 
 def colocated_config(config: Path, out: Path) -> Path:
@@ -95,10 +99,12 @@ def bench_system(system: dict, round_: int, args: argparse.Namespace, model_dir:
             print(f"  ready in {server.ready_s:.0f} s (a completion succeeded)", flush=True)
             warmup = ClientRun(WARMUP_PROMPTS, WARMUP_PROMPTS, None)
             run_client(warmup, args.peers_python, launch.port, model_dir, run_dir / key / "warmup", client_log)
+            gate.wait()
+            idle_per_s = idle_rates(IDLE_S)
             for temperature in TEMPERATURES:
                 for concurrency in args.concurrency:
                     run = ClientRun(args.num_prompts, concurrency, temperature)
-                    measured = measure(run, args, launch, model_dir, run_dir / key, client_log, gate)
+                    measured = measure(run, args, launch, model_dir, run_dir / key, client_log, gate, idle_per_s)
                     system["runs"].append({**measured, "round": round_})
     except (ServerFailed, RuntimeError, subprocess.TimeoutExpired) as e:
         system["error"] = f"{type(e).__name__}: {e}"
@@ -107,20 +113,26 @@ def bench_system(system: dict, round_: int, args: argparse.Namespace, model_dir:
 
 
 def measure(run: ClientRun, args, launch: Launch, model_dir: Path, result_dir: Path, client_log: Path,
-            gate: QuietGate) -> dict:
+            gate: QuietGate, idle_per_s: dict[str, float]) -> dict:
+    """One client run. The CPU meter spans the client's whole life, most of it its start-up (vLLM's
+    imports): `cpu_during_load_s` takes off what each process spends idle over the time no request
+    was in flight (the meter's window less the client's own `duration`)."""
     waited_s = gate.wait()
     meter = CpuMeter()
     meter.start()
     result, wall_s = run_client(run, args.peers_python, launch.port, model_dir, result_dir, client_log)
     cpu = meter.stop(wall_s)
     others_cores = cpu.others_s / wall_s if wall_s > 0 else 0.0
+    during = during_load(cpu, result["duration"], idle_per_s)
+    serving_ms = cpu_split(during)["serving"] * 1e3 / max(1, result["total_output_tokens"])
     print(f"  c={run.concurrency:<3} temperature {'default' if run.temperature is None else run.temperature:<7} "
           f"{result['completed']}/{run.num_prompts} ok  {result['output_throughput']:7.1f} tok/s  "
           f"TTFT mean {result['mean_ttft_ms']:6.0f} ms p99 {result['p99_ttft_ms']:6.0f} ms  "
           f"ITL p50 {result['median_itl_ms']:5.1f} ms p99 {result['p99_itl_ms']:5.1f} ms  "
-          f"others {others_cores:.2f} cores", flush=True)  # fmt: skip
+          f"serving path {serving_ms:.2f} CPU-ms/token  others {others_cores:.2f} cores", flush=True)  # fmt: skip
     return {**asdict(run), "result": result, "wall_s": wall_s, "others_cores": others_cores,
-            "quiet_wait_s": waited_s, "cpu_by_component_s": cpu.by_component_s}  # fmt: skip
+            "quiet_wait_s": waited_s, "cpu_by_component_s": cpu.by_component_s, "idle_cpu_per_s": idle_per_s,
+            "cpu_during_load_s": during}  # fmt: skip
 
 
 def versions(peers_python: Path) -> dict:
@@ -197,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "settings": {"systems": keys, "concurrency": args.concurrency, "num_prompts": args.num_prompts,
                      "input_tokens": INPUT_TOKENS, "output_tokens": OUTPUT_TOKENS, "seed": SEED, "rounds": args.rounds,
-                     "temperatures": list(TEMPERATURES), "warmup_prompts": WARMUP_PROMPTS,
+                     "temperatures": list(TEMPERATURES), "warmup_prompts": WARMUP_PROMPTS, "idle_s": IDLE_S,
                      "model": str(model_dir), "run_dir": str(run_dir), "total_s": time.monotonic() - started,
                      "argv": sys.argv[1:]},
         "machine": machine(),
