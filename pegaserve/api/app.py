@@ -3,9 +3,11 @@ Serve ingress (P/D): only the engine and ledger clients differ."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -18,10 +20,18 @@ from pegaserve.api.errors import ApiError
 from pegaserve.api.frontend import FAILED, Frontend, Job
 from pegaserve.api.guards import Guards
 from pegaserve.api.jobs import chat_job, completion_job
-from pegaserve.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from pegaserve.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    SamplingFields,
+    TokenizeRequest,
+)
 
 log = logging.getLogger(__name__)
 REQUEST_ID_HEADER = "x-request-id"
+LARGE_BODY_BYTES = 32 << 10  # parsed and tokenized off the event loop (`off_the_loop_if_large`)
+T = TypeVar("T")
 
 
 def build_app(frontend: Frontend, api_keys: tuple[str, ...] = (), max_inflight: int | None = None,
@@ -48,17 +58,26 @@ def build_app(frontend: Frontend, api_keys: tuple[str, ...] = (), max_inflight: 
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = parse_body(await request.body(), CompletionRequest)
-        return await _respond(frontend, completion_job(frontend, body, _client_id(request)), echo_request_id)
+        def build() -> Job:
+            body = parse_body(raw, CompletionRequest)
+            return completion_job(frontend, body, _client_id(request, body, echo_request_id))
+
+        raw = await request.body()
+        return await _respond(frontend, await off_the_loop_if_large(raw, build), echo_request_id)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = parse_body(await request.body(), ChatCompletionRequest)
-        return await _respond(frontend, chat_job(frontend, body, _client_id(request)), echo_request_id)
+        def build() -> Job:
+            body = parse_body(raw, ChatCompletionRequest)
+            return chat_job(frontend, body, _client_id(request, body, echo_request_id))
+
+        raw = await request.body()
+        return await _respond(frontend, await off_the_loop_if_large(raw, build), echo_request_id)
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> dict:
-        return tokenize.tokenize(frontend, parse_body(await request.body(), TokenizeRequest))
+        raw = await request.body()
+        return await off_the_loop_if_large(raw, lambda: tokenize.tokenize(frontend, parse_body(raw, TokenizeRequest)))
 
     @app.post("/detokenize")
     async def detokenize_route(request: Request) -> dict:
@@ -82,7 +101,19 @@ def build_app(frontend: Frontend, api_keys: tuple[str, ...] = (), max_inflight: 
     return app
 
 
-def _client_id(request: Request) -> str | None:
+async def off_the_loop_if_large(raw: bytes, build: Callable[[], T]) -> T:
+    """`build()` — parsing, validating and tokenizing the body `raw` — in a worker thread when the
+    body is large, so that tokenizing it (`jobs.encode`) stalls no other stream of this app."""
+    if len(raw) < LARGE_BODY_BYTES:
+        return build()
+    return await asyncio.to_thread(build)
+
+
+def _client_id(request: Request, body: SamplingFields, header_is_clients: bool) -> str | None:
+    """The X-Request-Id header. Behind Serve (`echo_request_id` off) the header is there even when
+    the client sent none, Serve having made one up, so the body's `request_id` comes first."""
+    if not header_is_clients and body.request_id is not None:
+        return None
     return request.headers.get(REQUEST_ID_HEADER)
 
 

@@ -18,11 +18,19 @@ def parse_body(raw: bytes, model: type[Model]) -> Model:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ApiError(f"malformed JSON: {exc}", param=None) from exc
+    except RecursionError:
+        raise ApiError("malformed JSON: nested too deeply", param=None) from None
+    except ValueError:  # an integer literal past Python's limit on digits (4300)
+        raise ApiError("malformed JSON: a number has too many digits", param=None) from None
     if not isinstance(data, dict):
         raise ApiError("the request body must be a JSON object", param=None)
-    for key, value in data.items() if _may_hold_surrogates(raw) else ():
-        if not _encodable(key) or not _encodable(value):
-            raise invalid(key if _encodable(key) else "body", "holds text that is not valid Unicode (a lone surrogate)")
+    try:
+        for key, value in data.items() if _may_hold_surrogates(raw) else ():
+            if not _encodable(key) or not _encodable(value):
+                raise invalid(key if _encodable(key) else "body",
+                              "holds text that is not valid Unicode (a lone surrogate)")
+    except RecursionError:  # json.loads took a nesting the walk's deeper stack cannot
+        raise ApiError("the request body is nested too deeply", param=None) from None
     try:
         return model.model_validate(data)
     except ValidationError as exc:

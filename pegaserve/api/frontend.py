@@ -98,8 +98,9 @@ class Frontend:
                     return
                 # vLLM's continuous usage: the choice's prompt and its tokens so far
                 usage = Usage(len(result.prompt_token_ids), len(result.tokens)) if job.continuous_usage else None
-                if result.num_deltas == 1 and job.wire.chat:
-                    yield job.wire.role_chunk(index, usage)  # after admission: refusals keep their HTTP status
+                if result.num_deltas == 1 and job.wire.chat:  # after admission: refusals keep their HTTP status
+                    role_usage = None if usage is None else Usage(usage.prompt_tokens, 0)  # it shows no token
+                    yield job.wire.role_chunk(index, role_usage)
                 yield job.wire.chunk(result, delta, usage)
         if job.include_usage:
             yield job.wire.usage_chunk(job.usage(results))

@@ -21,7 +21,10 @@ from pegaserve.api.wire import Endpoint, Wire
 from pegaserve.tokenizer import Tokenizer
 
 MAX_CLIENT_ID_CHARS = 256
-_TEMPLATE_RESERVED = {"messages", "add_generation_prompt", "continue_final_message", "tokenize", "tools"}
+# apply_chat_template's own arguments, and the refused fields a template would otherwise take through
+# the kwargs (`chat_template` would swap the served template for the client's, as vLLM also refuses)
+_TEMPLATE_RESERVED = {"messages", "add_generation_prompt", "continue_final_message", "tokenize", "tools",
+                      "chat_template", "documents"}
 
 
 def completion_job(frontend: Frontend, body: CompletionRequest, header_id: str | None) -> Job:
@@ -112,8 +115,15 @@ def _split_prompts(prompt) -> list[str | list[int]]:
     return list(prompt)
 
 
+LONG_TEXT_CHARS = 8 << 10  # ~10 ms to tokenize: past it, tokenizing lets other threads run
+
+
 def encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
-    return tokenizer.backend.encode(text, add_special_tokens=add_special_tokens).ids
+    if len(text) < LONG_TEXT_CHARS:
+        return tokenizer.backend.encode(text, add_special_tokens=add_special_tokens).ids
+    # the same ids; `encode_batch` lets go of the GIL while it works, where `encode` holds it (a 4 MiB
+    # prompt: seconds), so the app's event loop keeps streaming meanwhile (`app.build_job`)
+    return tokenizer.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
 
 def render_chat(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool,

@@ -94,8 +94,9 @@ class Wire:
         body["choices"] = [self._choice(c, c.echo_text + c.text, c.tokens, c.finish, first=True, chunk=False)
                            for c in choices]
         body["usage"] = usage.body()
-        if self.return_token_ids:
-            body["prompt_token_ids"] = list(choices[0].prompt_token_ids) if len(choices) == 1 else None
+        if self.return_token_ids:  # the request's prompt; null when its choices answer several
+            one_prompt = len({c.prompt_token_ids for c in choices}) == 1
+            body["prompt_token_ids"] = list(choices[0].prompt_token_ids) if one_prompt else None
         if self.chat and self.num_prompt_logprobs is not None:
             body["prompt_logprobs"] = self._prompt_logprobs(choices[0])
         return body

@@ -55,12 +55,15 @@ BEHAVIOUR = {
     "min_tokens": [CONTRACT],
     "include_stop_str_in_output": [CONTRACT],
     "skip_special_tokens": [CONTRACT],
-    "return_token_ids": [CONTRACT],
+    "return_token_ids": [CONTRACT, "test_fields::test_a_chat_response_carries_its_prompt_ids_whatever_n"],
     "return_tokens_as_token_ids": ["test_fields::test_return_tokens_as_token_ids"],
     "stream": [CONTRACT],
     "stream_options": [CONTRACT, "test_fields::test_continuous_usage_stats"],
     "stream_options.include_usage": [CONTRACT],
-    "stream_options.continuous_usage_stats": ["test_fields::test_continuous_usage_stats"],
+    "stream_options.continuous_usage_stats": [
+        "test_fields::test_continuous_usage_stats",
+        "test_fields::test_continuous_usage_stats_count_no_token_in_the_role_chunk",
+    ],
     "n": ["test_choices::test_greedy_choices_are_equal", "test_choices::test_a_stop_string_ends_only_its_choice"],
     "best_of": ["test_choices::test_best_of_equal_to_n_returns_every_choice"],
     "presence_penalty": ["test_sampling_params::test_penalties_equal_the_reference"],
@@ -87,11 +90,17 @@ BEHAVIOUR = {
     "truncation_side": ["test_fields::test_truncate_prompt_tokens"],
     "response_format": ["test_fields::test_a_text_response_format_is_plain_text"],
     "response_format.type": ["test_fields::test_a_text_response_format_is_plain_text"],
-    "request_id": ["test_fields::test_the_body_request_id_is_the_correlation_id"],
+    "request_id": [
+        "test_fields::test_the_body_request_id_is_the_correlation_id",
+        "test_fields::test_behind_serve_the_body_request_id_beats_the_header_serve_made_up",
+    ],
     "add_special_tokens": ["test_fields::test_add_special_tokens_is_the_tokenizers"],
     "add_generation_prompt": ["test_tokenize::test_messages_tokenize_as_the_chat_endpoint_renders_them"],
     "continue_final_message": ["test_echo_logprobs::test_chat_echo_prepends_the_last_message_of_the_reply_role"],
-    "chat_template_kwargs": ["test_fields::test_messages_and_template_kwargs_reach_the_chat_template"],
+    "chat_template_kwargs": [
+        "test_fields::test_messages_and_template_kwargs_reach_the_chat_template",
+        "test_fields::test_template_kwargs_cannot_replace_the_template_or_pass_refused_fields",
+    ],
     "tool_choice": ["test_fields::test_tool_choice_without_tools"],
     "modalities": ["test_fields::test_text_is_the_only_modality"],
     "messages.role": [CONTRACT],
@@ -278,3 +287,56 @@ def test_messages_and_template_kwargs_reach_the_chat_template(tiny_model_dir):
                           json={"messages": messages, "max_tokens": 1, "chat_template_kwargs": {"greeting": "hello!"}})
     assert text == 'user(bob): hi\nassistant[{"id": "c1"}]: \ntool[c1]: 42\nhello!'
     assert chat.json()["usage"]["prompt_tokens"] == tokens.json()["count"]
+
+
+def test_template_kwargs_cannot_replace_the_template_or_pass_refused_fields(tiny_model_dir):
+    frontend = scripted_frontend(tiny_model_dir, {})
+    messages = [{"role": "user", "content": "hi"}]
+    smuggled = {"chat_template": "{{ messages[0].content }}!", "documents": [{"text": "d"}]}
+    with ThreadedServer(build_app(frontend)) as running:
+        for name, value in smuggled.items():
+            for path in ("/tokenize", "/v1/chat/completions"):
+                response = httpx.post(f"{running.base_url}{path}", json={
+                    "messages": messages, "max_tokens": 1, "chat_template_kwargs": {name: value}})
+                error = response.json()["error"]
+                assert response.status_code == 400 and error["param"] == "chat_template_kwargs", response.text
+                assert name in error["message"]
+
+
+def test_a_chat_response_carries_its_prompt_ids_whatever_n(server):
+    for n in (1, 2):
+        body = post(server, "chat", n=n, temperature=0, return_token_ids=True).json()
+        tokens = httpx.post(f"{server.base_url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert body["prompt_token_ids"] == tokens.json()["tokens"], n
+    several = post(server, "completions", prompt=[PROMPT, PROMPT[:2]], return_token_ids=True).json()
+    assert several["prompt_token_ids"] is None  # choices of different prompts
+    one = post(server, "completions", n=2, return_token_ids=True).json()
+    assert one["prompt_token_ids"] == PROMPT
+
+
+def test_behind_serve_the_body_request_id_beats_the_header_serve_made_up(tiny_model_dir):
+    # Serve (its proxy, or HAProxy in front of it) sets X-Request-Id on every request it forwards
+    served = build_app(scripted_frontend(tiny_model_dir, {}), echo_request_id=False)
+    made_up = {"X-Request-Id": "6a7acc43-made-up-by-serve"}
+    with ThreadedServer(served) as running:
+        def client_id(path: str, **body) -> str:
+            chat = path == "/v1/chat/completions"
+            base = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": PROMPT}
+            answer = httpx.post(f"{running.base_url}{path}", json={**base, "max_tokens": 1, **body}, headers=made_up)
+            return httpx.get(f"{running.base_url}/admin/ledger/{answer.json()['id']}").json()["client_request_id"]
+
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            assert client_id(path, request_id="body-id-8") == "body-id-8"
+            assert client_id(path) == made_up["X-Request-Id"]
+        too_long = httpx.post(f"{running.base_url}/v1/completions", headers=made_up,
+                              json={"prompt": PROMPT, "max_tokens": 1, "request_id": "r" * 300})
+        assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "request_id"
+
+
+def test_continuous_usage_stats_count_no_token_in_the_role_chunk(server):
+    chunks = sse_chunks(post(server, "chat", stream=True, temperature=0, n=2,
+                             stream_options={"include_usage": True, "continuous_usage_stats": True}).text)
+    roles = [c for c in chunks if c["choices"] and "role" in c["choices"][0]["delta"]]
+    assert len(roles) == 2 and all(c["usage"]["completion_tokens"] == 0 for c in roles)
+    shown = [c for c in chunks if c["choices"] and "role" not in c["choices"][0]["delta"]]
+    assert all(c["usage"]["completion_tokens"] >= 1 for c in shown)

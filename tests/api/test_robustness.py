@@ -6,13 +6,17 @@ reach the client as a generic message (the detail goes to the log)."""
 from __future__ import annotations
 
 import json
+import sys
 
 import httpx
 import pytest
 
 from pegaserve.api.app import build_app
+from pegaserve.api.body import parse_body
 from pegaserve.api.clients import EngineClient
+from pegaserve.api.errors import ApiError
 from pegaserve.api.frontend import FAILED
+from pegaserve.api.protocol import CompletionRequest
 from pegaserve.api.validation import Limits
 from pegaserve.engine.request import StepOutput
 from pegaserve.stop import Error
@@ -82,6 +86,28 @@ def test_a_lone_surrogate_is_a_400_naming_the_field(app, endpoint, name, surroga
 def test_a_surrogate_pair_is_a_character(app):
     body = {"prompt": "\ud83d\ude42", "max_tokens": 2, "echo": True}  # 🙂 as JSON escapes it
     assert post(app, "completions", body).json()["choices"][0]["text"].startswith("🙂")
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"prompt": "hi", "max_tokens": 2, "extra": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+    b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}",  # past Python's 4300-digit int limit
+], ids=["nested-too-deeply", "a-5000-digit-number"])
+@pytest.mark.parametrize("endpoint", sorted(PATHS))
+def test_json_python_cannot_read_is_a_400(app, endpoint, raw):
+    response = app.post(PATHS[endpoint], content=raw, headers={"content-type": "application/json"})
+    check_response(response, raw)
+    assert response.status_code == 400 and response.json()["error"]["message"].startswith("malformed JSON")
+
+
+def test_a_body_nested_to_the_recursion_limit_is_a_200_or_a_400():
+    # A `\u` escape sends the parsed body through the surrogate walk, which recurses once per level
+    # from a deeper stack than json.loads did: some depth passes the one and not the other.
+    for depth in range(1, sys.getrecursionlimit() + 10):
+        raw = b'{"prompt": "\\u00e9", "extra": ' + b"[" * depth + b"]" * depth + b"}"
+        try:
+            parse_body(raw, CompletionRequest)
+        except ApiError as exc:
+            assert exc.status == 400 and exc.param is None, (depth, exc.message)
 
 
 NUMBERS = [(e, name, value) for e in sorted(PATHS) for name in FLOAT_FIELDS for value in EXTREME_FLOATS] + \

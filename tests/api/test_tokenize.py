@@ -3,14 +3,16 @@ generation endpoints use, round trips, and a 400 naming the parameter for bad in
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
 import pytest
 
 from pegaserve.api.app import build_app
+from pegaserve.api.jobs import LONG_TEXT_CHARS, encode
 from pegaserve.tokenizer import Tokenizer
-from tests.api.helpers import scripted_frontend
+from tests.api.helpers import client_for, scripted_frontend
 from tests.contract.server import ThreadedServer
 
 TEXTS = ["Hello, world!", "🙂 multi-byte ✓ naïve", " leading and  double  spaces\n", "<|im_start|>user\nhi<|im_end|>",
@@ -91,3 +93,40 @@ def test_bad_input_is_a_4xx_naming_the_param(server, path, body, param):
 def test_models_keeps_its_fields(server):
     (model,) = httpx.get(f"{server.base_url}/v1/models").json()["data"]
     assert set(model) == {"id", "object", "created", "owned_by", "root", "max_model_len"}
+
+
+def test_a_long_text_encodes_to_the_same_ids_as_a_short_one_would(tokenizer):
+    """`jobs.encode` takes `encode_batch` (which lets go of the GIL) past LONG_TEXT_CHARS: same ids."""
+    text = "🙂 naïve  spaces\n<|im_start|>user hi " * (LONG_TEXT_CHARS // 20)
+    assert len(text) >= LONG_TEXT_CHARS
+    for add_special_tokens in (True, False):
+        assert encode(tokenizer, text, add_special_tokens) == \
+            tokenizer.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+
+def test_a_huge_prompt_is_tokenized_while_the_event_loop_keeps_serving(tiny_model_dir):
+    """A 1 MiB prompt takes about a second to tokenize: it must not stall the app's other streams
+    (before: one 4 MiB prompt froze every stream of the ingress for 5.8 s). Ticks of a task that
+    sleeps 1 ms count how often the loop ran meanwhile; a blocked loop ticks once or twice."""
+    app = build_app(scripted_frontend(tiny_model_dir, {}))
+    prompt = "ab" * 500_000
+
+    async def run() -> tuple[dict, int]:
+        ticks, done = 0, asyncio.Event()
+
+        async def tick() -> None:
+            nonlocal ticks
+            while not done.is_set():
+                await asyncio.sleep(0.001)
+                ticks += 1
+
+        ticker = asyncio.ensure_future(tick())
+        async with client_for(app) as client:
+            answer = (await client.post("/tokenize", json={"prompt": prompt, "add_special_tokens": False})).json()
+        done.set()
+        await ticker
+        return answer, ticks
+
+    answer, ticks = asyncio.run(run())
+    assert answer["count"] == len(Tokenizer(tiny_model_dir).backend.encode(prompt, add_special_tokens=False).ids)
+    assert ticks >= 20, f"the event loop ran {ticks} times while the prompt was tokenized"
