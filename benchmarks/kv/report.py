@@ -24,19 +24,22 @@ RAW_OF = {"shm": "gloo"}  # shm replaces gloo between replicas of one node: it i
 
 def _handoff_table(result: dict, transport: str) -> list[str]:
     against = RAW_OF.get(transport, transport)
-    raw = {f["num_bytes"]: f for f in result["raw"].get(against, []) if f.get("payload", "torch") == "torch"}
+    figures = [f for f in result["raw"].get(against, []) if f.get("payload", "torch") == "torch"]
+    raw = {f["num_bytes"]: f for f in figures if f.get("pattern", "one-way") == "one-way"}
+    request = {f["num_bytes"]: f for f in figures if f.get("pattern") == "request"}
     numpy = {f["num_bytes"]: f for f in result["raw"].get(against, []) if f.get("payload") == "numpy"}
-    extra = " raw put + get ms | raw as numpy ms |" if numpy else ""
     label = f"raw {against}" if against != transport else "raw"
+    extra = (" raw put + get ms | raw as numpy ms |" if numpy else "") + \
+        (f" {label} on request ms | handoff / on request time |" if request else "")
     lines = [f"| prompt tokens | KV MiB | handoff ms (median, min-max) | handoff GB/s | {label} ms | {label} GB/s "
-             f"| handoff / {label} time | fallbacks |{extra}", "|---:" * (8 + 2 * bool(numpy)) + "|"]  # fmt: skip
+             f"| handoff / {label} time | fallbacks |{extra}", "|---:" * (8 + 2 * bool(numpy) + 2 * bool(request)) + "|"]  # fmt: skip
     for length, samples in result["apps"][f"pd-{transport}"].items():
         kv_bytes = _median([s["kv_bytes"] for s in samples])
         seconds = [s["handoff_s"] for s in samples if s["handoff_s"] is not None]
         fallbacks = sum(1 for s in samples if s["fallback"])
         figure = raw.get(int(kv_bytes)) if kv_bytes else None
         if not seconds or not figure:
-            lines.append(f"| {length} | — | — | — | — | — | — | {fallbacks} |" + " — | — |" * bool(numpy))
+            lines.append(f"| {length} | — | — | — | — | — | — | {fallbacks} |" + " — | — |" * (bool(numpy) + bool(request)))
             continue
         handoff = statistics.median(seconds)
         row = (f"| {length} | {kv_bytes / 2**20:.2f} | {_ms(handoff)} ({_ms(min(seconds))}-{_ms(max(seconds))}) "
@@ -46,6 +49,10 @@ def _handoff_table(result: dict, transport: str) -> list[str]:
             as_numpy = numpy.get(int(kv_bytes))
             numpy_s = as_numpy["median_s"] if as_numpy else None
             row += f" {_ms(figure['median_put_s'])} + {_ms(figure['median_get_s'])} | {_ms(numpy_s)} |"
+        if request:
+            on_request = request.get(int(kv_bytes))
+            row += (f" {_ms(on_request['median_s'])} | {handoff / on_request['median_s']:.1f}x |" if on_request
+                    else " — | — |")
         lines.append(row)
     return lines
 
@@ -92,9 +99,12 @@ def write_kv_report(result: dict, path: Path) -> None:
         "blocks as slabs cache to cache, else packed layer by layer) and then its verdict; object store: decode's "
         "get and unpack. "
         "**raw** = the same bytes between two plain Ray actors with nothing else (`benchmarks/kv/transport.py`): "
-        "gloo is one `ProcessGroupGloo` send/recv (the `GlooPair` the app uses), timed on the receiver; object "
+        "gloo is one `ProcessGroupGloo` send/recv (the `GlooPair` the app uses), timed on the receiver, the sender "
+        "sending back to back (the bandwidth; the receiver's clock starts with the bytes on their way) and **on "
+        "request** (the receiver posts its receive and sends a 4-byte request; the sender waits for it, then sends: "
+        "the least any fetch can do, a round trip and a wake-up on each side more); object "
         "store is `ray.put` of the torch tensor in one actor + `ray.get` in the other (and, for comparison, the same "
-        "bytes as a numpy array, which Ray stores without pickling and maps zero-copy on get). Median of 10 after "
+        "bytes as a numpy array, which Ray stores without pickling and maps zero-copy on get). Median of 20 after "
         "2 warm-ups.",
         "- TTFT: P/D sends the first token from prefill before any KV moves, so the handoff shows in the time to "
         "the **second** token; both are given, medians, client side.", "",

@@ -11,7 +11,7 @@ handoff shows in the time to the *second* token; both are reported.
 
 Writes docs/bench/kv.json and docs/bench/KV.md.
 
-    python -m benchmarks.kv [--lengths 128,512,2048] [--repeats 5] [--transports shm,gloo,object_store]
+    python -m benchmarks.kv [--lengths 128,512,2048] [--repeats 10] [--transports shm,gloo,object_store]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from benchmarks.reports import DOCS_DIR
 TRANSPORTS = ("shm", "gloo", "object_store")
 RAW_OF = {"shm": "gloo"}  # the raw transport a handoff is held against
 LENGTHS = (128, 512, 2048)
-REPEATS = 5
+REPEATS = 10
 MAX_TOKENS = 4
 MODEL = "qwen3-tiny"
 SEED = 4321
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
                             for samples in apps[f"pd-{t}"].values() for s in samples if s.kv_bytes})
             raw[transport] = raw_bandwidth(transport, sizes)
             for figure in raw[transport]:
-                print(f"raw {transport} ({figure.payload}): {figure.num_bytes / 2**20:.2f} MiB in "
+                print(f"raw {transport} ({figure.payload}, {figure.pattern}): {figure.num_bytes / 2**20:.2f} MiB in "
                       f"{figure.median_s * 1e3:.2f} ms = "
                       f"{figure.gb_per_s:.2f} GB/s", flush=True)  # fmt: skip
     total_s = time.perf_counter() - started

@@ -3,7 +3,10 @@
 The yardstick for the handoff figures in `benchmarks.kv.run`: the same number of bytes, moved the way the
 transport moves them, without Serve, leases, the KV port or the engine around it.
 - gloo: `deployments.handoff.transports.GlooPair` (torch.distributed ProcessGroupGloo over TCP, 127.0.0.1),
-  one tensor send on rank 0, the matching recv on rank 1, timed on the receiver.
+  one tensor send on rank 0, the matching recv on rank 1, timed on the receiver, two ways: `one-way`, the
+  sender sending back to back (the bandwidth: the receiver's clock starts with the bytes already on their way),
+  and `request`, the least any fetch can do: the receiver posts its receive and sends a 4-byte request, the
+  sender waits for it and sends (a round trip more, and both sides wake from a wait, as in a handoff).
 - object_store: `ray.put` in one actor, `ray.get` in the other; put and get are timed each and
   reported as their sum (the handoff does both on its critical path). Measured for a torch tensor
   (what the app ships) and, for comparison, for the same bytes as a numpy array (which Ray stores
@@ -21,6 +24,7 @@ import torch
 
 ACTOR_OPTIONS = {"num_cpus": 0.1}
 TIMEOUT_S = 60.0
+REQUEST_TAG = 1
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,7 @@ class RawFigure:
     payload: str = "torch"  # object_store only: "torch" (as the app) or "numpy"
     median_put_s: float | None = None
     median_get_s: float | None = None
+    pattern: str = "one-way"  # gloo only: "one-way" (back to back) or "request" (each send waits for a request)
 
     @property
     def gb_per_s(self) -> float:
@@ -53,17 +58,26 @@ class GlooEnd:
         store = self.store if rank == 0 else GlooPair.join(host, port, TIMEOUT_S)
         self.pair = GlooPair(store, rank, TIMEOUT_S)
 
-    def send(self, num_bytes: int, repeats: int) -> None:
+    def send(self, num_bytes: int, repeats: int, on_request: bool) -> None:
         tensor = torch.ones(num_bytes // 4, dtype=torch.float32)
+        request = torch.zeros(1, dtype=torch.int32)
         for _ in range(repeats):
+            if on_request:
+                self.pair.post_recv(request, REQUEST_TAG).wait()
             self.pair.send(tensor)
 
-    def recv(self, num_bytes: int, repeats: int) -> list[float]:
+    def recv(self, num_bytes: int, repeats: int, on_request: bool) -> list[float]:
         tensor = torch.empty(num_bytes // 4, dtype=torch.float32)
+        request = torch.zeros(1, dtype=torch.int32)
         runs = []
         for _ in range(repeats):
             start = time.perf_counter()
-            self.pair.recv(tensor)
+            if on_request:
+                received = self.pair.post_recv(tensor, 0)
+                self.pair.post_send(request, REQUEST_TAG).wait()
+                received.wait()
+            else:
+                self.pair.recv(tensor)
             runs.append(time.perf_counter() - start)
         return runs
 
@@ -92,12 +106,13 @@ def gloo_bandwidth(sizes: list[int], repeats: int, warmup: int = 2) -> list[RawF
     ray.get([sender.open.remote(0), receiver.open.remote(1, host, port)], timeout=TIMEOUT_S)
     figures = []
     try:
-        for num_bytes in sizes:
-            total = warmup + repeats
-            sent = sender.send.remote(num_bytes, total)
-            runs = ray.get(receiver.recv.remote(num_bytes, total), timeout=TIMEOUT_S)[warmup:]
-            ray.get(sent, timeout=TIMEOUT_S)
-            figures.append(RawFigure("gloo", num_bytes, statistics.median(runs), tuple(runs)))
+        for pattern in ("one-way", "request"):
+            for num_bytes in sizes:
+                total = warmup + repeats
+                sent = sender.send.remote(num_bytes, total, pattern == "request")
+                runs = ray.get(receiver.recv.remote(num_bytes, total, pattern == "request"), timeout=TIMEOUT_S)[warmup:]
+                ray.get(sent, timeout=TIMEOUT_S)
+                figures.append(RawFigure("gloo", num_bytes, statistics.median(runs), tuple(runs), pattern=pattern))
     finally:
         ray.kill(sender)
         ray.kill(receiver)
@@ -127,7 +142,7 @@ def object_store_bandwidth(sizes: list[int], repeats: int, warmup: int = 2) -> l
     return figures
 
 
-def raw_bandwidth(transport: str, sizes: list[int], repeats: int = 10) -> list[RawFigure]:
+def raw_bandwidth(transport: str, sizes: list[int], repeats: int = 20) -> list[RawFigure]:
     if transport == "gloo":
         return gloo_bandwidth(sizes, repeats)
     if transport == "object_store":
