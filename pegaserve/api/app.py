@@ -27,6 +27,7 @@ from pegaserve.api.protocol import (
     SamplingFields,
     TokenizeRequest,
 )
+from pegaserve.api.validation import check_model
 
 log = logging.getLogger(__name__)
 REQUEST_ID_HEADER = "x-request-id"
@@ -50,11 +51,19 @@ def build_app(frontend: Frontend, api_keys: tuple[str, ...] = (), max_inflight: 
     async def health() -> dict:
         return {"status": "ok"}
 
+    def model_card() -> dict:
+        m = frontend.model
+        return {"id": m.name, "object": "model", "created": 0, "owned_by": "pegaserve", "root": m.root,
+                "max_model_len": m.max_model_len}
+
     @app.get("/v1/models")
     async def models() -> dict:
-        m = frontend.model
-        return {"object": "list", "data": [{"id": m.name, "object": "model", "created": 0, "owned_by": "pegaserve",
-                                            "root": m.root, "max_model_len": m.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")  # OpenAI's retrieve (`client.models.retrieve`); a local path holds '/'
+    async def model(model: str) -> dict:
+        check_model(model, frontend.model)
+        return model_card()
 
     @app.post("/v1/completions")
     async def completions(request: Request):

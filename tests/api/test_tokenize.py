@@ -7,6 +7,7 @@ import asyncio
 import json
 
 import httpx
+import openai
 import pytest
 
 from pegaserve.api.app import build_app
@@ -93,6 +94,16 @@ def test_bad_input_is_a_4xx_naming_the_param(server, path, body, param):
 def test_models_keeps_its_fields(server):
     (model,) = httpx.get(f"{server.base_url}/v1/models").json()["data"]
     assert set(model) == {"id", "object", "created", "owned_by", "root", "max_model_len"}
+
+
+def test_the_openai_client_retrieves_the_model_by_its_name_or_path(server):
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    (listed,) = httpx.get(f"{server.base_url}/v1/models").json()["data"]
+    for name in (listed["id"], listed["root"]):  # the root is a local path: it holds '/'
+        assert client.models.retrieve(name).model_dump(exclude_none=True) == listed
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.models.retrieve("no-such-model")
+    assert raised.value.body["param"] == "model" and "no-such-model" in raised.value.body["message"]
 
 
 def test_a_long_text_encodes_to_the_same_ids_as_a_short_one_would(tokenizer):
