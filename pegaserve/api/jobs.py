@@ -115,14 +115,14 @@ def _split_prompts(prompt) -> list[str | list[int]]:
     return list(prompt)
 
 
-LONG_TEXT_CHARS = 8 << 10  # ~10 ms to tokenize: past it, tokenizing lets other threads run
+LONG_TEXT_CHARS = 8 << 10  # a few ms to tokenize: past it, tokenizing lets other threads run
 
 
 def encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
     if len(text) < LONG_TEXT_CHARS:
         return tokenizer.backend.encode(text, add_special_tokens=add_special_tokens).ids
     # the same ids; `encode_batch` lets go of the GIL while it works, where `encode` holds it (a 4 MiB
-    # prompt: seconds), so the app's event loop keeps streaming meanwhile (`app.build_job`)
+    # prompt: seconds), so the app's event loop keeps streaming meanwhile (`app.off_the_loop_if_large`)
     return tokenizer.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
 
