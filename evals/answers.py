@@ -132,8 +132,9 @@ def is_logprob(value: object) -> bool:
 
 
 def _is_scored(value: object, top: object) -> bool:
-    """A prompt token's logprob and its top-1 alternative: finite, <= 0, the token at most the top."""
-    return is_logprob(value) and isinstance(top, dict) and len(top) == 1 \
+    """A prompt token's logprob and its top-1 alternative (and the token itself when it is not the top:
+    OpenAI's legacy completions): finite, <= 0, the token at most the top."""
+    return is_logprob(value) and isinstance(top, dict) and 1 <= len(top) <= 2 \
         and all(is_logprob(v) for v in top.values()) and value <= max(top.values()) + LOGPROB_SLACK
 
 

@@ -31,15 +31,16 @@ def _handoff_table(result: dict, transport: str) -> list[str]:
     label = f"raw {against}" if against != transport else "raw"
     extra = (" raw put + get ms | raw as numpy ms |" if numpy else "") + \
         (f" {label} on request ms | handoff / on request time |" if request else "")
+    num_extra = bool(numpy) + bool(request)  # pairs of extra columns
     lines = [f"| prompt tokens | KV MiB | handoff ms (median, min-max) | handoff GB/s | {label} ms | {label} GB/s "
-             f"| handoff / {label} time | fallbacks |{extra}", "|---:" * (8 + 2 * bool(numpy) + 2 * bool(request)) + "|"]  # fmt: skip
+             f"| handoff / {label} time | fallbacks |{extra}", "|---:" * (8 + 2 * num_extra) + "|"]  # fmt: skip
     for length, samples in result["apps"][f"pd-{transport}"].items():
         kv_bytes = _median([s["kv_bytes"] for s in samples])
         seconds = [s["handoff_s"] for s in samples if s["handoff_s"] is not None]
         fallbacks = sum(1 for s in samples if s["fallback"])
         figure = raw.get(int(kv_bytes)) if kv_bytes else None
         if not seconds or not figure:
-            lines.append(f"| {length} | — | — | — | — | — | — | {fallbacks} |" + " — | — |" * (bool(numpy) + bool(request)))
+            lines.append(f"| {length} | — | — | — | — | — | — | {fallbacks} |" + " — | — |" * num_extra)
             continue
         handoff = statistics.median(seconds)
         row = (f"| {length} | {kv_bytes / 2**20:.2f} | {_ms(handoff)} ({_ms(min(seconds))}-{_ms(max(seconds))}) "

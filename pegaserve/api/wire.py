@@ -162,21 +162,24 @@ class Wire:
             for token_id, score in zip(result.prompt_token_ids, result.prompt_logprobs):
                 strings.append(self.token_text(token_id))
                 logprobs.append(None if score is None else logprob(score.logprob))
-                tops.append(None if score is None else self._top(score.top_logprobs))
+                tops.append(None if score is None else self._top(score.top_logprobs, token_id, score.logprob))
         for t in tokens:
             strings.append(self.token_text(t.token_id))
             logprobs.append(logprob(t.logprob))
-            tops.append(self._top(t.top_logprobs))
+            tops.append(self._top(t.top_logprobs, t.token_id, t.logprob))
         offsets, offset = [], self._text_offsets.get(result.index, 0)
         for s in strings:
             offsets.append(offset)
             offset += len(s)
         self._text_offsets[result.index] = offset
-        return {"tokens": strings, "token_logprobs": logprobs,
-                "top_logprobs": tops if self.num_top_logprobs else None, "text_offset": offsets}
+        return {"tokens": strings, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
 
-    def _top(self, top: tuple[tuple[int, float], ...]) -> dict[str, float]:
-        return {self.token_text(i): logprob(lp) for i, lp in top[: self.num_top_logprobs]}
+    def _top(self, top: tuple[tuple[int, float], ...], chosen: int, chosen_logprob: float) -> dict[str, float]:
+        """The N most likely tokens and the chosen one: N + 1 entries when it is not among them
+        (OpenAI's legacy completions, vLLM's; `logprobs: 0` gives the chosen token alone)."""
+        entries = {self.token_text(i): logprob(lp) for i, lp in top[: self.num_top_logprobs]}
+        entries.setdefault(self.token_text(chosen), logprob(chosen_logprob))
+        return entries
 
     def _chat_logprob(self, token: SampledToken) -> dict:
         def entry(token_id: int, value: float) -> dict:

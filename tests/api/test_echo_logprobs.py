@@ -43,8 +43,12 @@ def test_echo_with_logprobs_shows_the_prompt_scored_by_the_reference(server, tin
     for p in range(1, len(PROMPT)):
         row = reference[p - 1]
         assert logprobs["token_logprobs"][p] == pytest.approx(row[PROMPT[p]].item(), abs=1e-4)
-        top = logprobs["top_logprobs"][p]
-        assert list(top.values()) == pytest.approx(torch.topk(row, TOP).values.tolist(), abs=1e-4)
+        top, best = logprobs["top_logprobs"][p], torch.topk(row, TOP)
+        assert list(top.values())[:TOP] == pytest.approx(best.values.tolist(), abs=1e-4)
+        if PROMPT[p] in best.indices.tolist():
+            assert len(top) == TOP
+        else:  # the prompt's own token follows the top-N (OpenAI's legacy completions, vLLM)
+            assert len(top) == TOP + 1 and list(top.values())[-1] == pytest.approx(row[PROMPT[p]].item(), abs=1e-4)
     assert "".join(logprobs["tokens"]) == choice["text"]
     offsets = logprobs["text_offset"]
     assert offsets[0] == 0 and all(b - a == len(t) for a, b, t in zip(offsets, offsets[1:], logprobs["tokens"]))
@@ -147,3 +151,20 @@ def test_chat_echo_prepends_the_last_message_of_the_reply_role(server):
                                              extra_body={"echo": True})  # the last message is the user's
     first = client.chat.completions.create(model="qwen3-tiny", messages=messages[:1], max_tokens=3, temperature=0)
     assert no_echo.choices[0].message.content == first.choices[0].message.content
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_top_logprobs_hold_the_sampled_token_even_at_0(server, stream):
+    """OpenAI's legacy completions and vLLM: the top-N and the sampled token (N + 1 entries when it is
+    not among them); `logprobs: 0` lists the sampled token alone."""
+    for top_n in (0, 2):
+        body = {"prompt": PROMPT, "max_tokens": 6, "logprobs": top_n, "seed": 11, "temperature": 1.5}
+        if stream:
+            parts = [c["choices"][0]["logprobs"] for c in sse_chunks(post(server, **body, stream=True).text)
+                     if c["choices"] and c["choices"][0].get("logprobs")]
+            logprobs = {k: [v for p in parts for v in p[k]] for k in ("tokens", "token_logprobs", "top_logprobs")}
+        else:
+            logprobs = post(server, **body).json()["choices"][0]["logprobs"]
+        for token, value, top in zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"]):
+            assert top[token] == value and top_n <= len(top) <= top_n + 1, (top_n, token, top)
+            assert list(top.values())[:top_n] == sorted(top.values(), reverse=True)[:top_n]

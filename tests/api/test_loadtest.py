@@ -211,7 +211,8 @@ ANSWER_BREAKS = {
     "ids and logprobs disagree": (WITH_LOGPROBS, {"logprobs": _logprobs([-1.0] * 3)}, "4 token ids but 3 logprobs"),
     "logprobs missing": (WITH_LOGPROBS, {}, "no logprobs"),
     "positive logprob": (WITH_LOGPROBS, {"logprobs": _logprobs([-1.0, 0.5, -1.0, -1.0])}, "has logprob 0.5"),
-    "too many top logprobs": (WITH_LOGPROBS, {"logprobs": _logprobs([-1.0] * 4, tops=2)}, "2 top logprobs"),
+    # completions: the top-N and the sampled token, at most N + 1
+    "too many top logprobs": (WITH_LOGPROBS, {"logprobs": _logprobs([-1.0] * 4, tops=3)}, "3 top logprobs"),
     "usage over max_tokens": (dataclasses.replace(PARAMS, return_token_ids=False),
                               {"token_ids": None, "usage": (3, 5)}, "outside 1..4"),
     "no prompt tokens": (PARAMS, {"usage": (0, 4)}, "prompt_tokens 0"),

@@ -188,7 +188,8 @@ def check_token_counts(choice: Choice, answer: Answer, params: Params) -> list[s
 
 
 def check_logprobs(choice: Choice, answer: Answer, params: Params) -> list[str]:
-    """Rule 7: every kept token, the trigger too, has its real logprob; top lists are top-N."""
+    """Rule 7: every kept token, the trigger too, has its real logprob; top lists are top-N (completions:
+    and the sampled token, when it is not among them)."""
     if params.num_top_logprobs is None:
         return []
     where = f"choice {choice.index}"
@@ -196,8 +197,9 @@ def check_logprobs(choice: Choice, answer: Answer, params: Params) -> list[str]:
         return [f"rule 7: {where} has no logprobs although they were requested"]
     problems = [f"rule 7: {where}'s token {j} has logprob {lp!r}" for j, lp in enumerate(choice.logprobs)
                 if not (isinstance(lp, float | int) and math.isfinite(lp) and lp <= LOGPROB_SLACK)]
+    most = params.num_top_logprobs + (not params.chat)
     problems += [f"{where}'s token {j} has {size} top logprobs, asked for {params.num_top_logprobs}"
-                 for j, size in enumerate(choice.top_logprobs_sizes or ()) if size > params.num_top_logprobs]
+                 for j, size in enumerate(choice.top_logprobs_sizes or ()) if size > most]
     return problems
 
 
