@@ -65,23 +65,21 @@ def build_app(frontend: Frontend, api_keys: tuple[str, ...] = (), max_inflight: 
         check_model(model, frontend.model)
         return model_card()
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
+    async def generate(request: Request, fields: type, make_job: Callable[..., Job]):
         def build() -> Job:
-            body = parse_body(raw, CompletionRequest)
-            return completion_job(frontend, body, _client_id(request, body, echo_request_id))
+            body = parse_body(raw, fields)
+            return make_job(frontend, body, _client_id(request, body, echo_request_id))
 
         raw = await request.body()
         return await _respond(frontend, await off_the_loop_if_large(raw, build), echo_request_id)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, CompletionRequest, completion_job)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        def build() -> Job:
-            body = parse_body(raw, ChatCompletionRequest)
-            return chat_job(frontend, body, _client_id(request, body, echo_request_id))
-
-        raw = await request.body()
-        return await _respond(frontend, await off_the_loop_if_large(raw, build), echo_request_id)
+        return await generate(request, ChatCompletionRequest, chat_job)
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> dict:
