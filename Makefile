@@ -79,6 +79,12 @@ bench: model
 bench-kv: model
 	$(PY) -m benchmarks.kv
 
+# One streamed token's CPU on the HTTP path alone (a stand-in app on uvicorn and on Serve) beside
+# pegaserve's, same load (about 6 minutes) -> docs/bench/FLOOR.md.
+.PHONY: bench-floor
+bench-floor: model
+	$(PY) -m benchmarks.floor
+
 # Decode ITL while long prompts arrive, P/D against colocated (about 3 minutes) -> docs/bench/INTERFERENCE.md.
 .PHONY: bench-interference bench-spec
 bench-interference: model

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import platform
 import re
+import subprocess
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -28,6 +29,16 @@ def machine() -> dict:
 
     return {"nproc": len(os.sched_getaffinity(0)), "cpu_model": cpu_model, "ram_gib": mem_kb / 2**20,
             "python": platform.python_version(), "torch": torch.__version__, "kernel": platform.release()}
+
+
+def commit_text() -> str:
+    """The checkout's short commit, saying so when tracked files differ from it."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=False).stdout.strip()
+
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return (git("rev-parse", "--short", "HEAD") or "an unknown commit") + (" (working tree modified)" if dirty else "")
 
 
 def kept_notes(path: Path) -> str:

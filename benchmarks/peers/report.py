@@ -24,7 +24,7 @@ METRICS = (
 ENGINE_PROCESSES = ("VLLM::", "pegaserve.engine.core_process")  # label prefixes: where the model runs
 # label prefixes of the processes a request and its tokens pass through outside the engines: the
 # HTTP servers, the replicas wrapping the engines, the proxies
-SERVING_PROCESSES = ("ServeReplica:", "haproxy", "ProxyActor", "vllm_cli")
+SERVING_PROCESSES = ("ServeReplica:", "haproxy", "ProxyActor", "vllm_cli", "uvicorn")  # uvicorn: bench-floor
 BENCH_CLIENT = "driver (bench client)"
 
 

