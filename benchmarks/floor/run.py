@@ -98,6 +98,10 @@ def bench_system(system: dict, round_: int, args: argparse.Namespace, run_dir: P
         system["error"] = f"{type(e).__name__}: {e}"
         print(f"  FAILED: {system['error']}", flush=True)
         return
+    if result["completed"] < args.requests:  # a stream cut short: its tokens' cost would be misread
+        system["error"] = f"only {result['completed']} of {args.requests} streams ended with [DONE]"
+        print(f"  FAILED: {system['error']}", flush=True)
+        return
     during = during_load(cpu, result["duration_s"], idle_per_s)
     tokens = max(1, result["chunks"])
     by_process_ms = {label: cpu_s * 1e3 / tokens for label, cpu_s in during.items()}
