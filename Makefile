@@ -80,10 +80,11 @@ bench-kv: model
 	$(PY) -m benchmarks.kv
 
 # One streamed token's CPU on the HTTP path alone (a stand-in app on uvicorn and on Serve) beside
-# pegaserve's, same load (about 6 minutes) -> docs/bench/FLOOR.md.
+# pegaserve's, same load (about 6 minutes) -> docs/bench/FLOOR.md. E.g. FLOOR_ARGS='--systems uvicorn,serve --rounds 1'.
 .PHONY: bench-floor
+FLOOR_ARGS ?=
 bench-floor: model
-	$(PY) -m benchmarks.floor
+	$(PY) -m benchmarks.floor $(FLOOR_ARGS)
 
 # Decode ITL while long prompts arrive, P/D against colocated (about 3 minutes) -> docs/bench/INTERFERENCE.md.
 .PHONY: bench-interference bench-spec
