@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import platform
 import re
+import statistics
 import subprocess
 from pathlib import Path
 
@@ -39,6 +40,12 @@ def commit_text() -> str:
 
     dirty = git("status", "--porcelain", "--untracked-files=no")
     return (git("rev-parse", "--short", "HEAD") or "an unknown commit") + (" (working tree modified)" if dirty else "")
+
+
+def spread(values: list[float], digits: int = 2) -> str:
+    """The median, and the range in parentheses when there are several values (rounds)."""
+    median = f"{statistics.median(values):.{digits}f}"
+    return median if len(values) < 2 else f"{median} ({min(values):.{digits}f}-{max(values):.{digits}f})"
 
 
 def kept_notes(path: Path) -> str:

@@ -23,10 +23,10 @@ import httpx
 
 from benchmarks.cpu import CpuMeter, QuietGate, during_load, idle_rates
 from benchmarks.local_serve import HOST, free_port
-from benchmarks.peers.report import cpu_split
+from benchmarks.peers.report import SERVING_PROCESSES, cpu_split
 from benchmarks.peers.run import CONFIG, colocated_config
 from benchmarks.peers.servers import PEGASERVE_PORT, Launch, Server, ServerFailed, pegaserve_launch, wait_port_free
-from benchmarks.reports import DOCS_DIR, REPO_ROOT, commit_text, kept_notes, machine
+from benchmarks.reports import DOCS_DIR, REPO_ROOT, commit_text, kept_notes, machine, spread
 
 SYSTEMS = {
     "uvicorn": "stand-in app, plain uvicorn",
@@ -114,21 +114,12 @@ def bench_system(system: dict, round_: int, args: argparse.Namespace, run_dir: P
 
 
 def _median(runs: list[dict], pick) -> float:
-    values = [v for v in (pick(run) for run in runs) if v is not None]
-    return statistics.median(values) if values else float("nan")
-
-
-def _spread(runs: list[dict], pick) -> str:
-    """The median, and the rounds' range when there are several."""
-    values = [pick(run) for run in runs]
-    text = f"{statistics.median(values):.3f}"
-    return text + (f" ({min(values):.3f}-{max(values):.3f})" if len(values) > 1 else "")
+    return statistics.median(pick(run) for run in runs)
 
 
 def _serving_processes(runs: list[dict]) -> str:
-    labels = {label for run in runs for label in run["process_ms_per_token"]}
-    serving = [label for label in labels if cpu_split({label: 1.0})["serving"]]
-    medians = {label: _median(runs, lambda r, lb=label: r["process_ms_per_token"].get(lb, 0.0)) for label in serving}
+    labels = {label for run in runs for label in run["process_ms_per_token"] if label.startswith(SERVING_PROCESSES)}
+    medians = {label: _median(runs, lambda r, lb=label: r["process_ms_per_token"].get(lb, 0.0)) for label in labels}
     return ", ".join(f"{label} {ms:.3f}" for label, ms in sorted(medians.items(), key=lambda kv: -kv[1]) if ms >= 0.001)
 
 
@@ -164,7 +155,7 @@ def write_report(raw: dict, out: Path) -> None:
         if not runs:
             lines.append(f"| {system['name']} | failed: {system['error']} | | | | | |")
             continue
-        serving = _spread(runs, lambda r: r["ms_per_token"]["serving"])
+        serving = spread([r["ms_per_token"]["serving"] for r in runs], digits=3)
         engine, rest = (_median(runs, lambda r, k=kind: r["ms_per_token"][k]) for kind in ("engine", "rest"))
         lines.append(f"| {system['name']} | {_median(runs, lambda r: r['tokens_per_s']):.0f} | {serving} | "
                      f"{_serving_processes(runs)} | {engine:.3f} | {rest:.3f} | "

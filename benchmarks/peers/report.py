@@ -8,7 +8,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from benchmarks.reports import kept_notes
+from benchmarks.reports import kept_notes, spread
 
 REFERENCE_KEY = "vllm"
 # (column, vllm bench serve's result key, format); a higher value is better only for throughput
@@ -108,16 +108,11 @@ def _cpu_table(systems: list[dict], raw: dict) -> list[str]:
                 parts = sorted(((statistics.median(ms.get(k, 0.0) for ms in per_token), k) for k in labels),
                                reverse=True)
                 split = [cpu_split(ms) for ms in per_token]
-                cells = [_spread([x[kind] for x in split]) for kind in ("serving", "engine", "rest")]
+                cells = [spread([x[kind] for x in split]) for kind in ("serving", "engine", "rest")]
                 named = ", ".join(f"{k.removeprefix('ServeReplica:')} {v:.2f}" for v, k in parts if v >= 0.005)
                 lines.append(f"| {temperature_label(temperature)} | {concurrency} | {system['name']} | {cells[0]} | "
                              f"{named} | {cells[1]} | {cells[2]} |")  # fmt: skip
     return lines if len(lines) > 2 else []
-
-
-def _spread(values: list[float]) -> str:
-    median = f"{statistics.median(values):.2f}"
-    return median if len(values) < 2 else f"{median} ({min(values):.2f}-{max(values):.2f})"
 
 
 def _ratio(ours, theirs) -> str:
