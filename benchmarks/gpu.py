@@ -1,4 +1,4 @@
-"""One-shot GPU check (`make gpu-check`): kernel tests on CUDA, kernel microbenchmarks against
+"""One-shot GPU check (`make gpu-check`): kernel and device-sampling tests on CUDA, kernel microbenchmarks against
 their torch references and the HBM bandwidth, and engine decode throughput on a Qwen3-0.6B-shaped
 model (random bf16 weights) against transformers `generate`. Writes docs/bench/GPU.md.
 
@@ -99,7 +99,7 @@ def environment(section: Section) -> None:
 
 
 def kernel_tests(check: Check, section: Section) -> None:
-    tests = ["tests/kernels"]
+    tests = ["tests/kernels", "tests/engine/test_sampling_device.py"]  # every test that runs on CUDA
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     timeout_s = max(30.0, min(240.0, check.remaining_s() - 200))
     result = subprocess.run(
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     check = Check(deadline=time.monotonic() + args.budget_s, device_name=torch.cuda.get_device_name(0), out=args.out)
     check.run("Environment", environment, min_seconds=0)
     if not args.skip_tests:
-        check.run("Kernel tests on CUDA", lambda s: kernel_tests(check, s), min_seconds=60)
+        check.run("Tests on CUDA (kernels, device sampling)", lambda s: kernel_tests(check, s), min_seconds=60)
     check.run("Memory bandwidth", lambda s: bandwidth(check, s))
     check.run("Kernel microbenchmarks (bf16, Qwen3-0.6B attention: 16 heads, 8 kv heads, head_dim 128, blocks of 16)",
               lambda s: kernel_benchmarks(check, s), min_seconds=30)  # fmt: skip

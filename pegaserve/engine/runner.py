@@ -13,7 +13,8 @@ from collections.abc import Iterator
 import torch
 
 from pegaserve.engine.attention import AttentionBatch
-from pegaserve.engine.sampler import sample, score_tokens
+from pegaserve.engine.sampler import score_tokens
+from pegaserve.engine.sampling_device import sample_on_device
 from pegaserve.engine.scheduler_output import RunnerOutput, SchedulerOutput
 
 SCORE_CHUNK_ROWS = 64  # prompt logprobs: LM-head rows at a time (never [prompt_len, vocab] at once)
@@ -72,10 +73,10 @@ class ModelRunner:
         if not rows:
             return tuple(() for _ in output.requests)
         index = torch.tensor(flat, device=hidden.device)
-        logits = self.model.compute_logits(hidden.index_select(0, index)).float().cpu()  # [num_positions, vocab]
+        logits = self.model.compute_logits(hidden.index_select(0, index)).float()  # [num_positions, vocab]
         if len(flat) != len(rows):
-            logits = logits[torch.tensor(row_of)]
-        tokens = iter(sample(logits, rows))
+            logits = logits[torch.tensor(row_of, device=logits.device)]
+        tokens = iter(sample_on_device(logits, rows))  # on a GPU, only the rows that need the CPU leave it
         return tuple(tuple(itertools.islice(tokens, len(r.samples))) for r in output.requests)
 
     def _score(self, hidden: torch.Tensor, output: SchedulerOutput, attn: AttentionBatch):

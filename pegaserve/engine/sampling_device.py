@@ -1,0 +1,105 @@
+"""Sampling where the logits are, for an engine on an accelerator.
+
+`sample()` runs on the CPU: its passes over the vocabulary are written for it. On a GPU, moving a
+step's logits there costs more than the step's model: at batch 64 over a 152k vocabulary, 39 MB a
+step, 28 ms on an H200 host plus 14 ms of the CPU's passes, against ~40 ms for the model
+(docs/bench/GPU.md). So the plain rows, greedy or drawn at a temperature alone (what most clients
+send), are taken on the device and only their tokens and logprobs cross; the rows with processing
+(logit_bias, penalties, min_tokens masks), a top-k, top-p or min_p filter, or a speculative draft to
+weigh cross alone, through `sample()`.
+
+A plain row is what `sample()` would make of it: the argmax (the first best) when greedy, else an
+inverse-CDF draw at its temperature with the row's hashed uniform (sampling_draw._uniform: a seeded
+row's token depends on nothing else in the batch), tokens more than 80 nats below the best weighing
+nothing; logprobs are the raw log-softmax. The draw reads one float64 cumulative sum of the row's
+weights where `sample()` reads float32 cell masses first, so a seed picks the same token on both but
+where its uniform falls within rounding of a boundary between two tokens (around one draw in 10^5):
+seeds reproduce on one kind of device, not always across CPU and GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from pegaserve.engine.request import SampledToken
+from pegaserve.engine.sampler import SamplingRow, _filters, sample
+from pegaserve.engine.sampling_draw import _search, _uniform
+from pegaserve.engine.sampling_filters import _scales
+from pegaserve.engine.sampling_passes import _finite, _weights
+
+
+def sample_on_device(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
+    """`sample(logits, rows)` for logits on any device ([num_rows, vocab], float32, never modified)."""
+    return sample(logits, rows) if logits.device.type == "cpu" else sample_split(logits, rows)
+
+
+def sample_split(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
+    """The plain rows sampled where `logits` are, the others by `sample()` on a CPU copy of theirs."""
+    vocab = logits.shape[1]
+    plain = [i for i, row in enumerate(rows) if _plain(row, vocab)]
+    rest = [i for i, row in enumerate(rows) if not _plain(row, vocab)]
+    tokens: list[SampledToken | None] = [None] * len(rows)
+    if rest:
+        on_cpu = _rows(logits, rest).cpu()
+        for i, token in zip(rest, sample(on_cpu, [rows[i] for i in rest])):
+            tokens[i] = token
+    if plain:
+        for i, token in zip(plain, _sample_plain(_rows(logits, plain), [rows[i] for i in plain])):
+            tokens[i] = token
+    return tokens  # type: ignore[return-value]  # every row was filled by one of the two
+
+
+def _plain(row: SamplingRow, vocab: int) -> bool:
+    params = row.params
+    if row.edited:
+        return False
+    return params.greedy or (row.draft_token_id is None and not _filters(params, vocab))
+
+
+def _rows(logits: torch.Tensor, picked: list[int]) -> torch.Tensor:
+    if len(picked) == logits.shape[0]:
+        return logits
+    return logits.index_select(0, torch.tensor(picked, device=logits.device))
+
+
+def _sample_plain(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
+    device = logits.device
+    argmax = logits.argmax(-1)  # [n]: the first best
+    row_max = logits.gather(1, argmax[:, None])  # [n, 1]
+    token_ids = argmax.clone()
+    drawn = [i for i, row in enumerate(rows) if not row.params.greedy]
+    if drawn:
+        index = torch.tensor(drawn, device=device)
+        picked = [rows[i] for i in drawn]
+        token_ids[index] = _draw(logits.index_select(0, index), row_max[index], argmax[index], picked)
+    normalizers = torch.logsumexp(logits, -1)  # [n]
+    chosen = logits.gather(1, token_ids[:, None])[:, 0] - normalizers
+    # one transfer for both: token ids are exact in float64
+    pairs = torch.stack((token_ids.double(), chosen.double()), 1).tolist()
+    tops = _top_logprobs(logits, normalizers, [row.params.num_top_logprobs for row in rows])
+    return [SampledToken(int(t), lp, top) for (t, lp), top in zip(pairs, tops)]
+
+
+def _draw(source: torch.Tensor, row_max: torch.Tensor, fallback: torch.Tensor, rows: Sequence[SamplingRow]):
+    """Each row's inverse-CDF draw at its temperature; a row with no finite max or no mass takes
+    `fallback`, its argmax."""
+    device = source.device
+    cumulative = _weights(source, _finite(row_max), _scales(rows).to(device)).cumsum_(-1)  # [n, vocab], float64
+    uniforms = torch.tensor([[_uniform(row)] for row in rows], dtype=torch.float64, device=device)
+    token_ids = _search(cumulative, uniforms * cumulative[:, -1:])[:, 0]
+    ok = row_max[:, 0].isfinite() & (cumulative[:, -1] > 0)
+    return torch.where(ok, token_ids, fallback)
+
+
+def _top_logprobs(logits: torch.Tensor, normalizers: torch.Tensor, counts: list[int]):
+    """Each row's `counts[i]` best tokens with their raw logprobs, best first."""
+    tops: list[tuple[tuple[int, float], ...]] = [()] * len(counts)
+    if not any(counts):
+        return tops
+    values, ids = logits.topk(max(counts), -1)
+    values = (values - normalizers[:, None]).tolist()
+    for i, (n, top_ids) in enumerate(zip(counts, ids.tolist())):
+        tops[i] = tuple(zip(top_ids[:n], values[i][:n]))
+    return tops
