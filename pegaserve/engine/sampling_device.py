@@ -26,7 +26,7 @@ import torch
 from pegaserve.engine.request import SampledToken
 from pegaserve.engine.sampler import SamplingRow, _filters, sample
 from pegaserve.engine.sampling_draw import _search, _uniform
-from pegaserve.engine.sampling_filters import _scales
+from pegaserve.engine.sampling_filters import _scale
 from pegaserve.engine.sampling_passes import _finite, _weights
 
 
@@ -65,15 +65,9 @@ def _rows(logits: torch.Tensor, picked: list[int]) -> torch.Tensor:
 
 
 def _sample_plain(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
-    device = logits.device
-    argmax = logits.argmax(-1)  # [n]: the first best
-    row_max = logits.gather(1, argmax[:, None])  # [n, 1]
-    token_ids = argmax.clone()
-    drawn = [i for i, row in enumerate(rows) if not row.params.greedy]
-    if drawn:
-        index = torch.tensor(drawn, device=device)
-        picked = [rows[i] for i in drawn]
-        token_ids[index] = _draw(logits.index_select(0, index), row_max[index], argmax[index], picked)
+    token_ids = logits.argmax(-1)  # [n]: the first best
+    if not all(row.params.greedy for row in rows):
+        token_ids = _draw(logits, token_ids, rows)
     normalizers = torch.logsumexp(logits, -1)  # [n]
     chosen = logits.gather(1, token_ids[:, None])[:, 0] - normalizers
     # one transfer for both: token ids are exact in float64
@@ -82,15 +76,23 @@ def _sample_plain(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[Sam
     return [SampledToken(int(t), lp, top) for (t, lp), top in zip(pairs, tops)]
 
 
-def _draw(source: torch.Tensor, row_max: torch.Tensor, fallback: torch.Tensor, rows: Sequence[SamplingRow]):
-    """Each row's inverse-CDF draw at its temperature; a row with no finite max or no mass takes
-    `fallback`, its argmax."""
-    device = source.device
-    cumulative = _weights(source, _finite(row_max), _scales(rows).to(device)).cumsum_(-1)  # [n, vocab], float64
-    uniforms = torch.tensor([[_uniform(row)] for row in rows], dtype=torch.float64, device=device)
-    token_ids = _search(cumulative, uniforms * cumulative[:, -1:])[:, 0]
-    ok = row_max[:, 0].isfinite() & (cumulative[:, -1] > 0)
-    return torch.where(ok, token_ids, fallback)
+def _draw(source: torch.Tensor, argmax: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Each sampled row's inverse-CDF draw at its temperature; a greedy row, or one with no finite
+    max or no mass, keeps its argmax. Every row is weighed, so no row is gathered."""
+    per_row = torch.tensor(
+        [(1.0, 0.0, 0.0) if row.params.greedy else (_scale(row.params), _uniform(row), 1.0) for row in rows],
+        dtype=torch.float64,
+    )
+    # One copy for the whole step, from pinned memory: one from pageable memory would first wait for
+    # the step's model to finish on the device, with the host idle.
+    if source.is_cuda:
+        per_row = per_row.pin_memory()
+    per_row = per_row.to(source.device, non_blocking=True)  # [n, 3]: scale, uniform, sampled
+    row_max = source.gather(1, argmax[:, None])  # [n, 1]
+    cumulative = _weights(source, _finite(row_max), per_row[:, :1].float()).cumsum_(-1)  # [n, vocab], float64
+    token_ids = _search(cumulative, per_row[:, 1:2] * cumulative[:, -1:])[:, 0]
+    drawn = (per_row[:, 2] > 0) & row_max[:, 0].isfinite() & (cumulative[:, -1] > 0)
+    return torch.where(drawn, token_ids, argmax)
 
 
 def _top_logprobs(logits: torch.Tensor, normalizers: torch.Tensor, counts: list[int]):

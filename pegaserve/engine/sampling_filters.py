@@ -23,7 +23,11 @@ _MAX_TEMPERATURE = 1e30  # keeps logits / temperature finite, and -inf at -inf
 
 def _scales(rows: Sequence[SamplingRow]) -> torch.Tensor:
     """`[n, 1]`: what multiplies `logit - max` inside exp2(): log2(e) / temperature."""
-    return torch.tensor([[_LOG2_E / min(row.params.temperature, _MAX_TEMPERATURE)] for row in rows])
+    return torch.tensor([[_scale(row.params)] for row in rows])
+
+
+def _scale(params: SamplingParams) -> float:
+    return _LOG2_E / min(params.temperature, _MAX_TEMPERATURE)
 
 
 def _lower_bounds(

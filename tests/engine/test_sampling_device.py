@@ -53,8 +53,9 @@ def test_a_seeded_row_draws_what_sample_draws(device, temperature):
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_seeded_row_draws_the_same_token_whatever_else_is_in_the_batch(device):
     logits = random_logits(16, vocab=3000, seed=2)
-    rows = [row(seed=100 + i, temperature=0.8) for i in range(16)]
+    rows = [row(seed=100 + i, temperature=0.0 if i % 3 == 1 else 0.8) for i in range(16)]  # greedy among them
     batched = split(logits, rows, device)
+    assert [batched[i].token_id for i in range(1, 16, 3)] == logits[1::3].argmax(-1).tolist()
     for i in (0, 7, 15):
         alone = split(logits[i : i + 1], [rows[i]], device)[0]
         assert alone.token_id == batched[i].token_id
