@@ -37,9 +37,9 @@ def sample_on_device(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[
 
 def sample_split(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
     """The plain rows sampled where `logits` are, the others by `sample()` on a CPU copy of theirs."""
-    vocab = logits.shape[1]
-    plain = [i for i, row in enumerate(rows) if _plain(row, vocab)]
-    rest = [i for i, row in enumerate(rows) if not _plain(row, vocab)]
+    is_plain = [_plain(row, logits.shape[1]) for row in rows]
+    plain = [i for i, p in enumerate(is_plain) if p]
+    rest = [i for i, p in enumerate(is_plain) if not p]
     tokens: list[SampledToken | None] = [None] * len(rows)
     if rest:
         on_cpu = _rows(logits, rest).cpu()
