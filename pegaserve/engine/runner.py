@@ -13,8 +13,7 @@ from collections.abc import Iterator
 import torch
 
 from pegaserve.engine.attention import AttentionBatch
-from pegaserve.engine.sampler import score_tokens
-from pegaserve.engine.sampling_device import sample_on_device
+from pegaserve.engine.sampling_device import sample_on_device, score_on_device
 from pegaserve.engine.scheduler_output import RunnerOutput, SchedulerOutput
 
 SCORE_CHUNK_ROWS = 64  # prompt logprobs: LM-head rows at a time (never [prompt_len, vocab] at once)
@@ -87,8 +86,8 @@ class ModelRunner:
             first = start + r.score_from
             for i in range(0, len(r.score_targets), SCORE_CHUNK_ROWS):
                 chunk = hidden[first + i : first + min(i + SCORE_CHUNK_ROWS, len(r.score_targets))]
-                logits = self.model.compute_logits(chunk).float().cpu()
-                found += score_tokens(logits, r.score_targets[i : i + SCORE_CHUNK_ROWS], r.num_top_scores)
+                logits = self.model.compute_logits(chunk).float()
+                found += score_on_device(logits, r.score_targets[i : i + SCORE_CHUNK_ROWS], r.num_top_scores)
             scores.append(tuple(found))
         return tuple(scores)
 

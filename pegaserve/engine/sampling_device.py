@@ -1,4 +1,4 @@
-"""Sampling where the logits are, for an engine on an accelerator.
+"""Sampling and prompt scoring where the logits are, for an engine on an accelerator.
 
 `sample()` runs on the CPU: its passes over the vocabulary are written for it. On a GPU, moving a
 step's logits there costs more than the step's model: at batch 64 over a 152k vocabulary, 39 MB a
@@ -15,6 +15,9 @@ nothing; logprobs are the raw log-softmax. The draw reads one float64 cumulative
 weights where `sample()` reads float32 cell masses first, so a seed picks the same token on both but
 where its uniform falls within rounding of a boundary between two tokens (around one draw in 10^5):
 seeds reproduce on one kind of device, not always across CPU and GPU.
+
+Prompt scoring (prompt logprobs, echo: what an eval harness's loglikelihood requests are) crossed
+64 rows of logits per chunk the same way; on a device it reduces there too (`score_on_device`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from collections.abc import Sequence
 import torch
 
 from pegaserve.engine.request import SampledToken
-from pegaserve.engine.sampler import SamplingRow, _filters, sample
+from pegaserve.engine.sampler import SamplingRow, TokenScore, _filters, sample, score_tokens
 from pegaserve.engine.sampling_draw import _search, _uniform
 from pegaserve.engine.sampling_filters import _scale
 from pegaserve.engine.sampling_passes import _finite, _weights
@@ -33,6 +36,25 @@ from pegaserve.engine.sampling_passes import _finite, _weights
 def sample_on_device(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
     """`sample(logits, rows)` for logits on any device ([num_rows, vocab], float32, never modified)."""
     return sample(logits, rows) if logits.device.type == "cpu" else sample_split(logits, rows)
+
+
+def score_on_device(logits: torch.Tensor, target_ids: Sequence[int], num_top: int) -> list[TokenScore]:
+    """`score_tokens(logits, target_ids, num_top)` for logits on any device."""
+    if logits.device.type == "cpu":
+        return score_tokens(logits, target_ids, num_top)
+    return score_torch(logits, target_ids, num_top)
+
+
+def score_torch(logits: torch.Tensor, target_ids: Sequence[int], num_top: int) -> list[TokenScore]:
+    """Row i of `logits` scores `target_ids[i]` as `score_tokens` does, in torch ops where `logits` are."""
+    targets = torch.tensor(target_ids, dtype=torch.long, device=logits.device)[:, None]
+    normalizers = torch.logsumexp(logits, -1)  # [n]
+    target_logits = logits.gather(1, targets)  # [n, 1]
+    ranks = (logits > target_logits).sum(-1).add_(1)  # 1 + the tokens strictly better
+    # one transfer for both: ranks are exact in float64
+    pairs = torch.stack(((target_logits[:, 0] - normalizers).double(), ranks.double()), 1).tolist()
+    tops = _top_logprobs(logits, normalizers, [num_top] * len(target_ids))
+    return [TokenScore(t, lp, int(rank), top) for t, (lp, rank), top in zip(target_ids, pairs, tops)]
 
 
 def sample_split(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:

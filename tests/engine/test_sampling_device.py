@@ -1,6 +1,7 @@
-"""Sampling where the logits are (sampling_device.py): the plain rows on the logits' device, the rest
-through `sample()` on the CPU. `sample_split` is the GPU's route on any device, so every test runs on
-the CPU too; with CUDA the same tests run on the GPU (skipped without one, saying so).
+"""Sampling and scoring where the logits are (sampling_device.py): the plain rows on the logits' device,
+the rest through `sample()` on the CPU; prompt scores in torch ops. `sample_split` and `score_torch` are
+the GPU's routes on any device, so every test runs on the CPU too; with CUDA the same tests run on the
+GPU (skipped without one, saying so).
 
 The reference is `sample()` itself: greedy rows and their logprobs agree with it, a seeded draw picks
 the same token but where its uniform falls within rounding of a boundary (the module's docstring), and
@@ -10,8 +11,8 @@ rows with processing, filters or a draft are `sample()`'s own.
 import pytest
 import torch
 
-from pegaserve.engine.sampler import sample
-from pegaserve.engine.sampling_device import sample_on_device, sample_split
+from pegaserve.engine.sampler import sample, score_tokens
+from pegaserve.engine.sampling_device import sample_on_device, sample_split, score_on_device, score_torch
 from tests.engine.test_sampler import CHI2_7_DOF, DRAFT_PROBS, NUM_DRAWS, chi_square, random_logits, row
 
 DEVICES = [
@@ -101,7 +102,24 @@ def test_rows_with_processing_filters_or_a_draft_are_sample_s_own(device):
     assert got[-1].token_id == want[-1].token_id and got[-1].logprob == pytest.approx(want[-1].logprob, abs=1e-4)
 
 
-def test_on_the_cpu_it_is_sample_itself():
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_top", [0, 4])
+def test_prompt_scores_are_score_tokens_own(device, num_top):
+    logits = random_logits(70, vocab=151_936, scale=4.0, seed=5)
+    logits[3, :10] = logits[3, 10]  # ties: ranked together
+    targets = torch.randint(0, 151_936, (70,), generator=torch.Generator().manual_seed(6)).tolist()
+    targets[3] = 10
+    got, want = score_torch(logits.to(device), targets, num_top), score_tokens(logits, targets, num_top)
+    assert [(g.token_id, g.rank) for g in got] == [(w.token_id, w.rank) for w in want]
+    assert [g.logprob for g in got] == pytest.approx([w.logprob for w in want], abs=1e-4)
+    for g, w in zip(got, want):
+        assert [i for i, _ in g.top_logprobs] == [i for i, _ in w.top_logprobs]
+        assert [lp for _, lp in g.top_logprobs] == pytest.approx([lp for _, lp in w.top_logprobs], abs=1e-4)
+    assert score_torch(logits[:0].to(device), [], num_top) == []
+
+
+def test_on_the_cpu_they_are_sample_and_score_tokens_themselves():
     logits = random_logits(4, vocab=2000, seed=4)
     rows = [row(seed=i, temperature=0.9) for i in range(4)]
     assert sample_on_device(logits, rows) == sample(logits, rows)
+    assert score_on_device(logits, [1, 2, 3, 4], 2) == score_tokens(logits, [1, 2, 3, 4], 2)
