@@ -32,7 +32,7 @@ from benchmarks.gpu_engine import DRY_WORKLOAD, GPU_WORKLOAD, TINY_SHAPE, engine
 from benchmarks.reports import DOCS_DIR, REPO_ROOT
 
 if TYPE_CHECKING:  # kernel modules load late: the dry run sets up the interpreter first
-    from benchmarks.kernels import Timing
+    from benchmarks.kernels import AttentionShape, Timing
 
 # Datasheet HBM bandwidths (GB/s), matched against the device name.
 SPEC_PEAK_GB_S = {"H200": 4800, "H100": 3350, "H800": 3350, "A100": 2039, "L40S": 864, "A10G": 600, "L4": 300}
@@ -148,16 +148,50 @@ def kernel_benchmarks(check: Check, section: Section) -> None:
 
 
 def decode_sweep(check: Check, section: Section) -> None:
-    """Launch plans for the decode kernel at batch 64 x 2k, to tune its defaults."""
-    from benchmarks import kernels as bench
+    """Launch plans for the decode kernel at several batch shapes, each against the default plan
+    (`_plan_launch`), so that a default can be chosen from one run: a summary, then each shape's
+    best plans."""
+    ragged = torch.randint(1, 4097, (64,), generator=torch.Generator().manual_seed(0)).tolist()
+    cases = ([2048], [2048] * 16, [2048] * 64, ragged)
+    plans = list(itertools.product((32, 64, 128), (4, 8), (1, 2, 4, 8)))  # (block_n, num_warps, num_splits)
+    from benchmarks.kernels import AttentionShape
 
-    timings = [bench.bench_decode([2048] * 64)]  # the default plan first
-    for block_n, num_warps, num_splits in itertools.product((32, 64, 128), (4, 8), (1, 2, 4, 8)):
+    section.lines += _sweep(check, cases, plans, AttentionShape(), top=5)
+
+
+def _sweep(check: Check, cases, plans, shape: AttentionShape, top: int) -> list[str]:
+    from benchmarks import kernels as bench
+    from pegaserve_kernels.decode_attention import _plan_launch
+
+    summary = [
+        "| case | default plan | default µs | best plan | best µs | default / best time |",
+        "|---|---|---:|---|---:|---:|",
+    ]
+    details: list[Timing] = []
+    for lens in cases:
         if check.remaining_s() < 10:
-            section.lines.append("(sweep cut short by the time budget)\n")
+            summary.append("\n(sweep cut short by the time budget)")
             break
-        timings.append(bench.bench_decode([2048] * 64, block_n=block_n, num_warps=num_warps, num_splits=num_splits))
-    section.lines += _timing_table(check, sorted(timings, key=lambda t: t.triton_us))
+        chosen = _plan_launch(torch.device(shape.device), shape.dtype, len(lens), shape.num_kv_heads, max(lens),
+                              None, None, None)  # fmt: skip
+        default = (chosen.block_n, chosen.num_warps, chosen.num_splits)
+        timings = {
+            plan: bench.bench_decode(lens, shape, block_n=plan[0], num_warps=plan[1], num_splits=plan[2])
+            for plan in dict.fromkeys([default, *plans])  # the default first, once
+            if check.remaining_s() >= 5
+        }
+        best = min(timings, key=lambda plan: timings[plan].triton_us)
+        case = timings[default].case.split(" block_n=")[0]
+        summary.append(
+            f"| {case} | {_plan_name(default)} | {timings[default].triton_us:.1f} | {_plan_name(best)} "
+            f"| {timings[best].triton_us:.1f} | {timings[default].triton_us / timings[best].triton_us:.2f}x |"
+        )
+        details += sorted(timings.values(), key=lambda t: t.triton_us)[:top]
+    return [*summary, "", f"Each case's {top} best plans:", "", *_timing_table(check, details)]
+
+
+def _plan_name(plan: tuple[int, int, int]) -> str:
+    return "block_n={} num_warps={} num_splits={}".format(*plan)
 
 
 # ----------------------------------------------------------------------------------------- report
@@ -220,6 +254,7 @@ def dry_run() -> int:
         "Engine vs transformers, tiny random model on the CPU",
         lambda s: s.lines.extend(engine_throughput(DRY_WORKLOAD, TINY_SHAPE)),
     )
+    check.run("Decode launch plans, tiny shapes interpreted", lambda s: _tiny_sweep(check, s))
     check.run("Table rendering", _render_sample_table, min_seconds=0)
     print(render(check))
     return 0 if all(s.error is None for s in check.sections) else 1
@@ -243,6 +278,13 @@ def _tiny_kernel_benchmarks(check: Check, section: Section) -> None:
     ]
     section.lines += _timing_table(check, timings)
     section.lines.append(f"\nHost cost of one decode launcher call: {bench.decode_host_overhead_us(2, shape):.0f} µs")
+
+
+def _tiny_sweep(check: Check, section: Section) -> None:
+    from benchmarks.kernels import AttentionShape
+
+    shape = AttentionShape(num_heads=4, num_kv_heads=2, head_dim=32, block_size=8, dtype=torch.float32, device="cpu")
+    section.lines += _sweep(check, ([20, 9], [33]), [(16, 1, 1), (16, 1, 2), (32, 1, 1)], shape, top=2)
 
 
 def _render_sample_table(section: Section) -> None:
@@ -274,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     check.run("Kernel microbenchmarks (bf16, Qwen3-0.6B attention: 16 heads, 8 kv heads, head_dim 128, blocks of 16)",
               lambda s: kernel_benchmarks(check, s), min_seconds=30)  # fmt: skip
     check.run("Engine decode throughput", lambda s: s.lines.extend(engine_throughput()), min_seconds=90)
-    check.run("Decode kernel launch plans (batch 64 x 2k)", lambda s: decode_sweep(check, s), min_seconds=30)
+    check.run("Decode kernel launch plans (default vs best, per batch shape)", lambda s: decode_sweep(check, s),
+              min_seconds=30)  # fmt: skip
     print(render(check))
     print(f"[gpu-check] wrote {args.out}")
     return 0 if all(s.error is None for s in check.sections) else 1

@@ -12,8 +12,14 @@ from benchmarks import gpu
 def test_the_gpu_checks_dry_run_renders_every_section(capsys):
     assert gpu.dry_run() == 0
     report = capsys.readouterr().out
-    for heading in ("## Kernel benchmarks, tiny shapes interpreted", "## Engine vs transformers", "## Table rendering"):
+    for heading in (
+        "## Kernel benchmarks, tiny shapes interpreted",
+        "## Engine vs transformers",
+        "## Decode launch plans, tiny shapes interpreted",
+        "## Table rendering",
+    ):
         assert heading in report
+    assert "| batch 2, ctx 9-20 | block_n=16 num_warps=1 num_splits=1 |" in report  # the default plan, first
     assert "| engine triton T=1 tok/s |" in report  # the sampled engine column
     assert "Sampling per engine step at batch 2" in report  # both sampling routes measured
     assert "**Failed:**" not in report
