@@ -64,10 +64,14 @@ class Timing:
         return None if self.torch_us is None else self.torch_us / self.triton_us
 
 
-def time_us(fn: Callable[[], object], device: str) -> float:
+def time_us(fn: Callable[[], object], device: str, graphed: bool = False) -> float:
+    """Median µs per call. On CUDA `graphed` replays the calls as a CUDA graph: the device's time
+    alone, without the host's launch cost (which hides a small kernel's own time)."""
     if device == "cuda":
         import triton.testing  # noqa: PLC0415 - CUDA-only path
 
+        if graphed:
+            return triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median") * 1e3
         return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e3
     fn()
     start = time.perf_counter()
@@ -96,8 +100,10 @@ def bench_store_kv(num_tokens: int, shape: AttentionShape = AttentionShape()) ->
     )  # fmt: skip
 
 
-def bench_decode(context_lens: list[int], shape: AttentionShape = AttentionShape(), **launch) -> Timing:
-    """The kernel alone vs its fp32 torch reference; `launch` overrides the launch plan."""
+def bench_decode(context_lens: list[int], shape: AttentionShape = AttentionShape(), graphed: bool = False,
+                 **launch) -> Timing:
+    """The kernel alone vs its fp32 torch reference; `launch` overrides the launch plan; `graphed`:
+    see `time_us`."""
     paged = _paged(context_lens, [1] * len(context_lens), shape)
     q, _, _ = random_qkv(
         len(context_lens), shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.dtype, shape.device
@@ -107,7 +113,7 @@ def bench_decode(context_lens: list[int], shape: AttentionShape = AttentionShape
     case = _lens_case(context_lens) + "".join(f" {k}={v}" for k, v in launch.items())
     return Timing(
         "decode attention", case,
-        time_us(lambda: paged_decode_attention(*args, max_context_len=max_len, **launch), shape.device),
+        time_us(lambda: paged_decode_attention(*args, max_context_len=max_len, **launch), shape.device, graphed),
         None if launch else time_us(lambda: paged_decode_attention_reference(*args), shape.device), "reference (fp32 loop)",
         bytes_moved=_context_bytes(context_lens, shape) + 2 * q.numel() * shape.elem_bytes,
     )  # fmt: skip
