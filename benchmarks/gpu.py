@@ -189,8 +189,8 @@ def _sweep(check: Check, cases, plans, shape: AttentionShape, top: int) -> list[
         details += sorted(timings.values(), key=lambda t: t.triton_us)[:top]
     return [
         "Device time per call, replayed as a CUDA graph: the plans' own cost, without the host's launch",
-        "cost (~55 µs a call here, which would hide a small batch's kernel); the engine pays that cost on",
-        "top until its decode steps are graphed.", "", *summary, "", f"Each case's {top} best plans:", "",
+        "cost (the microbenchmarks' host cost per call, which would hide a small batch's kernel); the",
+        "engine pays that cost on top until its decode steps are graphed.", "", *summary, "", f"Each case's {top} best plans:", "",
         *_timing_table(check, details),
     ]
 
