@@ -34,12 +34,14 @@ def timed_ms(fn: Callable[[], object]) -> float:
 
 
 def microbenchmark(weight: torch.Tensor, repeats: int) -> None:
-    from pegaserve.engine.lm_head import CpuLogits  # noqa: PLC0415 - keep --help fast
+    from pegaserve.engine import cpu_kernels  # noqa: PLC0415 - keep --help fast
+    from pegaserve.engine.lm_head import CpuLogits  # noqa: PLC0415
 
     start = time.perf_counter()
     kernel = CpuLogits(weight)
-    print(f"kernel head built and packed in {time.perf_counter() - start:.2f} s (avx512: {kernel.uses_avx512})")
-    heads = {"kernel": kernel, "onednn": CpuLogits(weight, allow_avx512=False), "linear": lambda h: F.linear(h, weight)}
+    built_s = time.perf_counter() - start
+    print(f"kernel head built and packed in {built_s:.2f} s (kernel: {kernel.uses_kernel}, {cpu_kernels.isa()})")
+    heads = {"kernel": kernel, "onednn": CpuLogits(weight, allow_kernel=False), "linear": lambda h: F.linear(h, weight)}
     print(f"{'rows':>5} " + " ".join(f"{name + ' ms':>10}" for name in heads) + f" {'vs onednn':>10}")
     for num_tokens in ROW_COUNTS:
         hidden = torch.randn(num_tokens, weight.shape[1])
@@ -60,7 +62,7 @@ def decode_steps(engine, num_steps: int) -> None:
 
     model = engine.runner.model
     weight = model.lm_head.weight
-    heads = {"kernel": CpuLogits(weight), "onednn": CpuLogits(weight, allow_avx512=False)}
+    heads = {"kernel": CpuLogits(weight), "onednn": CpuLogits(weight, allow_kernel=False)}
     policy = StopPolicy(2 * num_steps + 8, eos_token_ids=engine.model_config.eos_token_ids, ignore_eos=True)
     generator = torch.Generator().manual_seed(0)
     for i in range(DECODE_BATCH):

@@ -108,8 +108,8 @@ class SdpaBackend(AttentionBackend):
         return out
 
     def _batched(self, q, kv_layer, batch, scale, requests) -> torch.Tensor:
-        """Attention of requests with few queries each: `[their tokens, H, hd]`. On an AVX-512 CPU
-        the paged kernel reads the cache in place (`cpu_attention`); else one padded SDPA call."""
+        """Attention of requests with few queries each: `[their tokens, H, hd]`. On an AVX-512 or AVX2
+        CPU the paged kernel reads the cache in place (`cpu_attention`); else one padded SDPA call."""
         requests = list(requests)
         everyone = len(requests) == len(batch.query_lens)
         found = cpu_attention.attend(

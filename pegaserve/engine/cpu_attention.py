@@ -1,8 +1,8 @@
-"""Decode attention on the CPU through the AVX-512 kernel `csrc/paged_attention.cpp`: each query
+"""Decode attention on the CPU through the kernel `csrc/paged_attention.cpp`: each query
 reads its request's keys and values in place in the paged cache, where the torch path copies every
 context out of the cache (index_select) and pads them all to the longest for one SDPA call.
 
-`attend` answers None where the kernel cannot run (no AVX-512, not fp32 on the CPU, a head size it
+`attend` answers None where the kernel cannot run (neither AVX-512 nor AVX2, not fp32 on the CPU, a head size it
 does not take): the caller uses SDPA, its reference (tests/engine/test_cpu_attention.py).
 """
 

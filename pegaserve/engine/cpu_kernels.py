@@ -1,11 +1,12 @@
-"""The engine's AVX-512 CPU kernels (`csrc/*.cpp`): compiled on first use with the system C++
-compiler, in about a second each, and loaded with ctypes (which releases the GIL during a call).
+"""The engine's CPU kernels (`csrc/*.cpp`): compiled on first use with the system C++ compiler, in
+about a second each, for the widest instruction set this CPU has of AVX-512 F/BW/VL and AVX2 + FMA
+(`csrc/simd.h` words them for both), and loaded with ctypes (which releases the GIL during a call).
 
 They are plain C ABI: no torch headers, no ninja. A build lives in
 `~/.cache/pegaserve/<name>/<hash of source, compiler and flags>/`; each build writes a private file
 and renames it into place, so processes starting together (engine cores, test workers) never load a
-half-written library. Where the CPU lacks AVX-512, no compiler is found or the build fails, `load`
-answers None (logged once per kernel) and the caller uses its torch path.
+half-written library. Where the CPU has neither instruction set, no compiler is found or the build
+fails, `load` answers None (logged once per kernel) and the caller uses its torch path.
 """
 
 from __future__ import annotations
@@ -27,28 +28,48 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-CXX_FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-std=c++17", "-shared", "-fPIC", "-pthread")
+ISA_FLAGS = {  # instruction set -> what the compiler is told; the first this CPU has is used
+    "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"),
+    "avx2": ("-mavx2", "-mfma"),
+}
+ISA_NAMES = {"avx512": "AVX-512", "avx2": "AVX2"}
+_ISA_CPU_FLAGS = {"avx512": ("avx512_f", "avx512_bw", "avx512_vl", "fma3"), "avx2": ("avx2", "fma3")}
+_TORCH_LEVELS = {"avx512": ("AVX512",), "avx2": ("AVX512", "AVX2")}
+CXX_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread")
 BUILD_TIMEOUT_S = 120.0
 
 
-def has_avx512() -> bool:
-    """Whether this CPU runs the kernels' instructions (AVX-512 F/BW/VL and FMA), from cpuinfo."""
+@functools.cache
+def runnable_isas() -> tuple[str, ...]:
+    """The instruction sets of `ISA_FLAGS` this CPU runs, widest first, from cpuinfo."""
     capabilities = getattr(torch.cpu, "get_capabilities", None)
-    if capabilities is None:  # torch < 2.9: its dispatch level needs F/BW/VL/DQ
-        return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    if capabilities is None:  # torch < 2.9: its dispatch level (AVX512 needs F/BW/VL/DQ)
+        level = torch.backends.cpu.get_cpu_capability()
+        return tuple(name for name in ISA_FLAGS if level.startswith(_TORCH_LEVELS[name]))
     found = capabilities()
-    return all(found.get(flag, False) for flag in ("avx512_f", "avx512_bw", "avx512_vl", "fma3"))
+    return tuple(name for name in ISA_FLAGS if all(found.get(flag, False) for flag in _ISA_CPU_FLAGS[name]))
 
 
-def build(name: str, build_root: Path | None = None) -> Path:
-    """The shared library of `csrc/<name>.cpp`, compiled unless a build of the same source and flags
-    exists under `build_root` (default ~/.cache/pegaserve/<name>)."""
+def isa() -> str | None:
+    """The instruction set the kernels are built for here ("avx512", "avx2"): the widest this CPU
+    runs; None where it has neither (the torch paths run)."""
+    return next(iter(runnable_isas()), None)
+
+
+def build(name: str, build_root: Path | None = None, target_isa: str | None = None) -> Path:
+    """The shared library of `csrc/<name>.cpp` for `target_isa` (default: this CPU's), compiled
+    unless a build of the same source and flags exists under `build_root` (default
+    ~/.cache/pegaserve/<name>)."""
+    target_isa = target_isa or isa()
+    if target_isa not in ISA_FLAGS:
+        raise RuntimeError(f"no instruction set to build for (this CPU has neither {' nor '.join(ISA_FLAGS)})")
+    flags = (*CXX_FLAGS, *ISA_FLAGS[target_isa])
     compiler = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (c++, g++ or clang++) on PATH")
     source_path = CSRC / f"{name}.cpp"
     sources = [source_path.read_bytes(), *(h.read_bytes() for h in sorted(CSRC.glob("*.h")))]
-    key = b"\0".join([*sources, compiler.encode(), platform.machine().encode(), *map(str.encode, CXX_FLAGS)])
+    key = b"\0".join([*sources, compiler.encode(), platform.machine().encode(), *map(str.encode, flags)])
     build_root = build_root or Path.home() / ".cache" / "pegaserve" / name
     target = build_root / hashlib.sha256(key).hexdigest()[:16] / f"{name}.so"
     if target.exists():
@@ -57,7 +78,7 @@ def build(name: str, build_root: Path | None = None) -> Path:
     fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *CXX_FLAGS, str(source_path), "-o", partial], capture_output=True, text=True,
+        done = subprocess.run([compiler, *flags, str(source_path), "-o", partial], capture_output=True, text=True,
                               timeout=BUILD_TIMEOUT_S)
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} exited {done.returncode}: {done.stderr.strip()[-2000:]}")
@@ -71,13 +92,13 @@ def build(name: str, build_root: Path | None = None) -> Path:
 def load(name: str, label: str, fallback: str, declare: Callable[[ctypes.CDLL], None]) -> ctypes.CDLL | None:
     """`csrc/<name>.cpp` built and loaded, its functions typed by `declare`; None where it cannot
     run, logged with the kernel's `label` and the `fallback` used instead."""
-    if not has_avx512():
-        log.info("%s: this CPU lacks AVX-512; using %s", label, fallback)
+    if isa() is None:
+        log.info("%s: this CPU has neither AVX-512 nor AVX2 with FMA; using %s", label, fallback)
         return None
     try:
         library = ctypes.CDLL(str(build(name)))
     except (OSError, subprocess.SubprocessError, RuntimeError) as error:
-        log.warning("%s: the AVX-512 kernel did not build (%s); using %s", label, error, fallback)
+        log.warning("%s: the %s kernel did not build (%s); using %s", label, ISA_NAMES[isa()], error, fallback)
         return None
     declare(library)
     return library

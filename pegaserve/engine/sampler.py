@@ -26,7 +26,7 @@ top-p's from a histogram of the mass and a sort of one bucket of it (never of a 
 closed form. Tokens more than 80 nats below a row's best weigh nothing.
 
 Processing lives in sampling_processing.py, the filters in sampling_filters.py, the draw in sampling_draw.py,
-and the passes over the vocabulary in sampling_passes.py (their AVX-512 kernel in vocab_passes.py).
+and the passes over the vocabulary in sampling_passes.py (their kernel in vocab_passes.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The sampler's passes over the vocabulary, and the row helpers that its filters and its draw share.
 
-Each pass runs the AVX-512 kernel (vocab_passes.py) where it can, else torch ops that compute the same
+Each pass runs the kernel (vocab_passes.py) where it can, else torch ops that compute the same
 quantities, the wide ones a column chunk at a time through one small scratch. Rows are `row_ids` of `source`
 (None: all of them, in order); per-row arguments are `[n, 1]`.
 """

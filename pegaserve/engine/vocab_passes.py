@@ -1,8 +1,8 @@
-"""The sampler's passes over rows of logits through the AVX-512 kernel `csrc/vocab_passes.cpp`:
+"""The sampler's passes over rows of logits through the kernel `csrc/vocab_passes.cpp`:
 one sweep per row each, where the torch versions in `sampling_passes.py` and `sampling_filters.py`
 chain several ops that each stream the row again (~4 ms against ~1 for a batch of 16 rows of 152k).
 
-Each function answers None where the kernel cannot run (no AVX-512, no compiler): the sampler then
+Each function answers None where the kernel cannot run (neither AVX-512 nor AVX2, no compiler): the sampler then
 uses its torch path, which computes the same quantities (argmax exactly; masses and bounds within
 float rounding). Rows are `row_ids` of `source` (None: all of them, in order); per-row arguments
 are `[n, 1]` float32.

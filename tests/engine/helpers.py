@@ -7,9 +7,10 @@ from pegaserve.engine.offline import run_until_idle, token_ids
 from pegaserve.engine.request import EngineRequest, SamplingParams, StepOutput
 from pegaserve.stop import StopPolicy
 
-__all__ = ["EOS_IDS", "PROMPTS", "greedy_request", "run_to_completion", "token_ids"]
+__all__ = ["EOS_IDS", "NO_KERNEL", "PROMPTS", "greedy_request", "run_to_completion", "token_ids"]
 
 EOS_IDS = frozenset({151645, 151643})
+NO_KERNEL = "this CPU has neither AVX-512 nor AVX2 with FMA: the kernel cannot run"  # a skip's reason
 
 
 def greedy_request(request_id: str, prompt: list[int], max_tokens: int, **policy) -> EngineRequest:

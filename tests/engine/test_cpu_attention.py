@@ -8,9 +8,12 @@ import torch
 
 from pegaserve.engine import cpu_attention, cpu_kernels
 from pegaserve.engine.attention import AttentionBatch, SdpaBackend
+from tests.engine.helpers import NO_KERNEL
 
-pytestmark = pytest.mark.skipif(
-    not cpu_kernels.has_avx512(), reason="this CPU lacks AVX-512 F/BW/VL: the kernel cannot run (SDPA is used)")
+pytestmark = [
+    pytest.mark.skipif(cpu_kernels.isa() is None, reason=f"{NO_KERNEL} (SDPA is used)"),
+    pytest.mark.usefixtures("kernel_isa"),  # each instruction set's build (conftest.py)
+]
 
 
 def make_batch(context_lens: list[int], query_lens: list[int], block_size: int, num_blocks: int, seed: int):

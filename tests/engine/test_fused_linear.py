@@ -1,5 +1,5 @@
 """`FusedLinear`: several bias-free projections of one input as one GEMM, equal to the separate
-`linear`s it replaces, rebuilt when the loader replaces a weight. On an AVX-512 CPU it runs the LM
+`linear`s it replaces, rebuilt when the loader replaces a weight. On an AVX-512 or AVX2 CPU it runs the LM
 head's kernel: equal within fp32 rounding, and a row's result independent of the batch around it;
 elsewhere an `mm`, bit-equal from 16 rows (where the engine decodes in batches)."""
 
@@ -13,7 +13,10 @@ from pegaserve.engine.fused_linear import FusedLinear
 
 ROWS = [1, 3, 16, 33, 200]
 SHAPES = [[(256, 256), (256, 128), (256, 128)], [(768, 256)], [(256, 768), (256, 768)]]
-needs_kernel = pytest.mark.skipif(not lm_head.has_kernel(), reason="the LM head kernel needs an AVX-512 CPU")
+def needs_kernel(test):
+    """Skipped where the LM head kernel cannot run; else once per instruction set (conftest.py)."""
+    skip = pytest.mark.skipif(not lm_head.has_kernel(), reason="the LM head kernel needs AVX-512, or AVX2 with FMA")
+    return skip(pytest.mark.usefixtures("kernel_isa")(test))
 
 
 def linears(*shapes: tuple[int, int], seed: int = 0) -> list[nn.Linear]:

@@ -1,9 +1,10 @@
-"""The CPU LM head (`pegaserve/engine/lm_head.py`): the AVX-512 kernel and its oneDNN fallback
+"""The CPU LM head (`pegaserve/engine/lm_head.py`): the kernel (AVX-512 or AVX2) and its oneDNN fallback
 against the float64 product, and the model's use of it."""
 
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
@@ -14,10 +15,13 @@ from pegaserve.engine.attention import SdpaBackend
 from pegaserve.engine.lm_head import CpuLogits, lm_head_reference
 from pegaserve.engine.model_config import ModelConfig
 from pegaserve.engine.qwen3 import Qwen3ForCausalLM
+from tests.engine.helpers import NO_KERNEL
 
-needs_avx512 = pytest.mark.skipif(
-    not cpu_kernels.has_avx512(), reason="this CPU lacks AVX-512 F/BW/VL: the kernel cannot run (the fallback is tested)"
-)
+
+def needs_kernel(test):
+    """Skipped where no kernel runs (the fallback is tested); else once per instruction set (conftest.py)."""
+    skip = pytest.mark.skipif(cpu_kernels.isa() is None, reason=f"{NO_KERNEL} (the fallback is tested)")
+    return skip(pytest.mark.usefixtures("kernel_isa")(test))
 
 ROW_COUNTS = [1, 3, 16, 17, 33, 64]
 SHAPES = [(1000, 256), (1001, 128), (333, 1024)]  # (vocab N, hidden K); N not a multiple of 16 (or 48)
@@ -36,13 +40,13 @@ def _relative_error(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Te
     return ((logits.double() - lm_head_reference(hidden, weight)).abs() / scale).max().item()
 
 
-@needs_avx512
+@needs_kernel
 @pytest.mark.parametrize("num_rows, hidden_size", SHAPES)
 @pytest.mark.parametrize("num_tokens", ROW_COUNTS)
 def test_kernel_is_as_exact_as_onednn(num_rows, hidden_size, num_tokens):
     weight, hidden = _weight_and_hidden(num_rows, hidden_size, num_tokens)
-    kernel, onednn = CpuLogits(weight), CpuLogits(weight, allow_avx512=False)
-    assert kernel.uses_avx512 and not onednn.uses_avx512
+    kernel, onednn = CpuLogits(weight), CpuLogits(weight, allow_kernel=False)
+    assert kernel.uses_kernel and not onednn.uses_kernel
 
     logits = kernel(hidden)
 
@@ -53,7 +57,7 @@ def test_kernel_is_as_exact_as_onednn(num_rows, hidden_size, num_tokens):
     assert kernel_error < 4 * hidden_size**0.5 * 2.0**-24  # a random-walk bound on fp32 rounding
 
 
-@needs_avx512
+@needs_kernel
 @pytest.mark.parametrize("num_rows, hidden_size", [(5, 1), (49, 3), (97, 600), (48, 512)])
 @pytest.mark.parametrize("num_tokens", [1, 9])
 def test_kernel_odd_shapes(num_rows, hidden_size, num_tokens):
@@ -67,13 +71,13 @@ def test_kernel_odd_shapes(num_rows, hidden_size, num_tokens):
 @pytest.mark.parametrize("num_tokens", [1, 17])
 def test_fallback_matches_reference(num_rows, hidden_size, num_tokens):
     weight, hidden = _weight_and_hidden(num_rows, hidden_size, num_tokens)
-    head = CpuLogits(weight, allow_avx512=False)
+    head = CpuLogits(weight, allow_kernel=False)
 
-    assert not head.uses_avx512
+    assert not head.uses_kernel
     torch.testing.assert_close(head(hidden).double(), lm_head_reference(hidden, weight), rtol=1e-5, atol=1e-4)
 
 
-@needs_avx512
+@needs_kernel
 def test_greedy_tokens_match_onednn_but_for_near_ties():
     weight, hidden = _weight_and_hidden(20_000, 256, 64, seed=1)
     exact = lm_head_reference(hidden, weight)
@@ -81,14 +85,14 @@ def test_greedy_tokens_match_onednn_but_for_near_ties():
     clear = (top2[:, 0] - top2[:, 1]) > 1e-4 * top2[:, 0].abs()
 
     kernel = CpuLogits(weight)(hidden).argmax(-1)
-    onednn = CpuLogits(weight, allow_avx512=False)(hidden).argmax(-1)
+    onednn = CpuLogits(weight, allow_kernel=False)(hidden).argmax(-1)
 
     assert clear.sum() > 50
     assert torch.equal(kernel[clear], onednn[clear])
     assert torch.equal(kernel[clear], exact.argmax(-1)[clear])
 
 
-@needs_avx512
+@needs_kernel
 def test_threads_split_the_vocab_without_changing_a_bit():
     weight, hidden = _weight_and_hidden(5003, 256, 9)
     head = CpuLogits(weight)
@@ -103,7 +107,7 @@ def test_threads_split_the_vocab_without_changing_a_bit():
     assert torch.equal(one, three)
 
 
-@needs_avx512
+@needs_kernel
 def test_no_rows_and_strided_rows():
     weight, hidden = _weight_and_hidden(100, 128, 10)
     head = CpuLogits(weight)
@@ -122,13 +126,16 @@ def test_wrong_hidden_size_and_unsupported_weight_raise():
         CpuLogits(weight.bfloat16())
 
 
-@needs_avx512
-def test_builds_from_scratch(tmp_path: Path):
-    built = cpu_kernels.build("lm_head", tmp_path)
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="no C++ compiler")
+@pytest.mark.parametrize("target_isa", list(cpu_kernels.ISA_FLAGS))
+@pytest.mark.parametrize("name", ["lm_head", "vocab_passes", "paged_attention"])
+def test_every_kernel_builds_from_scratch_for_every_instruction_set(name: str, target_isa: str, tmp_path: Path):
+    """Built, not run: this CPU may lack the instruction set, a machine CI never sees may not."""
+    built = cpu_kernels.build(name, tmp_path, target_isa)
 
     assert built.is_file() and built.parent.parent == tmp_path
-    assert [p.name for p in built.parent.iterdir()] == ["lm_head.so"]  # no partial file left behind
-    assert cpu_kernels.build("lm_head", tmp_path) == built  # the second call reuses it
+    assert [p.name for p in built.parent.iterdir()] == [f"{name}.so"]  # no partial file left behind
+    assert cpu_kernels.build(name, tmp_path, target_isa) == built  # the second call reuses it
 
 
 def test_failed_build_falls_back_to_onednn(monkeypatch, caplog):
@@ -136,13 +143,13 @@ def test_failed_build_falls_back_to_onednn(monkeypatch, caplog):
         raise RuntimeError("c++ exited 1: no such flag")
 
     monkeypatch.setattr(cpu_kernels, "build", fail)
-    monkeypatch.setattr(cpu_kernels, "has_avx512", lambda: True)
+    monkeypatch.setattr(cpu_kernels, "isa", lambda: "avx512")
     lm_head._load_kernel.cache_clear()
     try:
         weight, hidden = _weight_and_hidden(100, 128, 3)
         with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
             heads = [CpuLogits(weight), CpuLogits(weight)]
-        assert not any(head.uses_avx512 for head in heads)
+        assert not any(head.uses_kernel for head in heads)
         assert [r.getMessage() for r in caplog.records].count(
             "LM head: the AVX-512 kernel did not build (c++ exited 1: no such flag); using oneDNN's linear"
         ) == 1  # fmt: skip
@@ -169,4 +176,4 @@ def test_model_rebuilds_the_head_when_the_tied_weight_is_replaced():
     model.lm_head.weight = model.model.embed_tokens.weight  # as the loader re-ties
 
     torch.testing.assert_close(model.compute_logits(hidden), hidden @ model.model.embed_tokens.weight.T)
-    assert model._cpu_logits.uses_avx512 == cpu_kernels.has_avx512()
+    assert model._cpu_logits.uses_kernel == (cpu_kernels.isa() is not None)

@@ -1,4 +1,4 @@
-"""The sampler's AVX-512 passes (`pegaserve/engine/csrc/vocab_passes.cpp`) against their torch
+"""The sampler's vectorized passes (`pegaserve/engine/csrc/vocab_passes.cpp`) against their torch
 references, the sampler's own torch paths: the argmax exactly; cell masses within float rounding;
 top-p bounds equal. And `sample()` draws the same tokens either way, so the kernel is a pure speed-up
 of what the statistical tests in test_sampler*.py check on whichever path this machine runs."""
@@ -11,9 +11,12 @@ import torch
 from pegaserve.engine import cpu_kernels, sampler, sampling_filters, sampling_passes, vocab_passes
 from pegaserve.engine.request import SamplingParams
 from pegaserve.engine.sampler import SamplingRow
+from tests.engine.helpers import NO_KERNEL
 
-pytestmark = pytest.mark.skipif(
-    not cpu_kernels.has_avx512(), reason="this CPU lacks AVX-512 F/BW/VL: the kernel cannot run (torch's path is used)")
+pytestmark = [
+    pytest.mark.skipif(cpu_kernels.isa() is None, reason=f"{NO_KERNEL} (torch's path is used)"),
+    pytest.mark.usefixtures("kernel_isa"),  # each instruction set's build (conftest.py)
+]
 FLOOR, CELL, BUCKETS = sampling_passes._FLOOR, sampling_passes._CELL, sampling_passes._TOP_P_BUCKETS
 
 

@@ -1,9 +1,10 @@
 // logits[M, N] = hidden[M, K] @ weight[N, K]^T in fp32, for a weight packed once into groups of
 // kGroupCols vocab rows: packed[g, k, c] = weight[g * kGroupCols + c, k], zero past N.
 //
-// The microkernel holds a tile of up to kMaxRows hidden rows x one group (kBlocks zmm of 16 vocab
-// entries) in 24 accumulators; each k step loads the group's kBlocks vectors once (one sequential
-// stream through the packed weight) and FMAs them with each row's broadcast hidden value. Every
+// The microkernel holds a tile of up to kMaxRows hidden rows x one group (kBlocks vectors of kLanes
+// vocab entries) in accumulators: 8 x 3 of the 32 zmm on AVX-512, 4 x 3 of the 16 ymm on AVX2; each
+// k step loads the group's kBlocks vectors once (one sequential stream through the packed weight)
+// and FMAs them with each row's broadcast hidden value. Every
 // output is an fp32 FMA chain over k in order, per chunk of kChunk, the chunks then added in order:
 // the error of a plain fp32 dot product, like oneDNN's.
 //
@@ -19,11 +20,13 @@
 
 namespace {
 
-using pegaserve::kLanes;
-using pegaserve::lane_mask;
+namespace simd = pegaserve;
+using simd::kLanes;
+using simd::Vec;
 constexpr int kBlocks = 3;
 constexpr int kGroupCols = kLanes * kBlocks;
-constexpr int kMaxRows = 8;  // kMaxRows * kBlocks accumulators + kBlocks weight vectors <= 32 zmm
+// kMaxRows * kBlocks accumulators + kBlocks weight vectors + a broadcast fit the vector registers
+constexpr int kMaxRows = kLanes == 16 ? 8 : 4;
 // Longer dot products are summed in chunks of kChunk, each added to the output: a shorter FMA chain
 // (the error grows with its length), and the order oneDNN uses on these machines for K <= 1024.
 constexpr int64_t kChunk = 512;
@@ -33,7 +36,7 @@ constexpr int64_t kChunk = 512;
 // its own slice of it spread over its k steps, so that DRAM stays busy while the later tiles of
 // a group compute on what is already in cache. Prefetches past the end of the packed weight are
 // harmless hints (they never fault).
-constexpr int64_t kPrefetchL1Steps = 32;
+constexpr int64_t kPrefetchL1Steps = 32 * 16 / kLanes;  // 6 KiB ahead
 constexpr int64_t kPrefetchL2Bytes = 96 * 1024;
 
 // One tile: out[0:MT, 0:kGroupCols] (+)= a[0:MT, 0:k_size] @ w[0:k_size, 0:kGroupCols]. `ahead` is
@@ -41,12 +44,12 @@ constexpr int64_t kPrefetchL2Bytes = 96 * 1024;
 template <int MT>
 void tile(const float* a, int64_t lda, const float* w, int64_t k_size, float* c, int64_t ldc, int64_t valid_cols,
           bool accumulate, const float* ahead, int64_t ahead_every) {
-  __m512 acc[MT][kBlocks];
+  Vec acc[MT][kBlocks];
   int64_t countdown = 1;
 #pragma GCC unroll 8
   for (int i = 0; i < MT; ++i)
 #pragma GCC unroll 3
-    for (int j = 0; j < kBlocks; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int j = 0; j < kBlocks; ++j) acc[i][j] = simd::zero();
 
 #pragma GCC unroll 2
   for (int64_t k = 0; k < k_size; ++k) {
@@ -61,15 +64,15 @@ void tile(const float* a, int64_t lda, const float* w, int64_t k_size, float* c,
         _mm_prefetch(reinterpret_cast<const char*>(ahead + j * kLanes), _MM_HINT_T1);
       ahead += kGroupCols;
     }
-    const __m512 w0 = _mm512_load_ps(wk);
-    const __m512 w1 = _mm512_load_ps(wk + kLanes);
-    const __m512 w2 = _mm512_load_ps(wk + 2 * kLanes);
+    const Vec w0 = simd::load(wk);
+    const Vec w1 = simd::load(wk + kLanes);
+    const Vec w2 = simd::load(wk + 2 * kLanes);
 #pragma GCC unroll 8
     for (int i = 0; i < MT; ++i) {
-      const __m512 x = _mm512_set1_ps(a[i * lda + k]);
-      acc[i][0] = _mm512_fmadd_ps(x, w0, acc[i][0]);
-      acc[i][1] = _mm512_fmadd_ps(x, w1, acc[i][1]);
-      acc[i][2] = _mm512_fmadd_ps(x, w2, acc[i][2]);
+      const Vec x = simd::set1(a[i * lda + k]);
+      acc[i][0] = simd::fmadd(x, w0, acc[i][0]);
+      acc[i][1] = simd::fmadd(x, w1, acc[i][1]);
+      acc[i][2] = simd::fmadd(x, w2, acc[i][2]);
     }
   }
 
@@ -79,7 +82,7 @@ void tile(const float* a, int64_t lda, const float* w, int64_t k_size, float* c,
 #pragma GCC unroll 3
       for (int j = 0; j < kBlocks; ++j) {
         float* out = c + i * ldc + j * kLanes;
-        _mm512_storeu_ps(out, accumulate ? _mm512_add_ps(_mm512_loadu_ps(out), acc[i][j]) : acc[i][j]);
+        simd::storeu(out, accumulate ? simd::add(simd::loadu(out), acc[i][j]) : acc[i][j]);
       }
   } else {  // the vocab tail: the padded columns are computed (zeros) but not stored
 #pragma GCC unroll 8
@@ -87,17 +90,16 @@ void tile(const float* a, int64_t lda, const float* w, int64_t k_size, float* c,
 #pragma GCC unroll 3
       for (int j = 0; j < kBlocks; ++j) {
         float* out = c + i * ldc + j * kLanes;
-        const __mmask16 mask = lane_mask(valid_cols - j * kLanes);
-        const __m512 sum = accumulate ? _mm512_add_ps(_mm512_maskz_loadu_ps(mask, out), acc[i][j]) : acc[i][j];
-        _mm512_mask_storeu_ps(out, mask, sum);
+        const simd::Mask mask = simd::lane_mask(valid_cols - j * kLanes);
+        const Vec sum = accumulate ? simd::add(simd::loadz(mask, out), acc[i][j]) : acc[i][j];
+        simd::store_masked(out, mask, sum);
       }
   }
 }
 
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, bool, const float*,
                         int64_t);
-constexpr TileFn kTiles[kMaxRows + 1] = {nullptr,  tile<1>, tile<2>, tile<3>, tile<4>,
-                                         tile<5>,  tile<6>, tile<7>, tile<8>};
+constexpr TileFn kTiles[9] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>, tile<7>, tile<8>};
 
 void run_groups(const float* hidden, int64_t m, int64_t k, const float* packed, int64_t n, float* out,
                 int64_t group_begin, int64_t group_end) {
@@ -126,7 +128,8 @@ extern "C" {
 
 int pegaserve_lm_head_group_cols() { return kGroupCols; }
 
-// hidden: [m, k] row-major; packed: [ceil(n / group_cols), k, group_cols], 64-byte aligned;
+// hidden: [m, k] row-major; packed: [ceil(n / group_cols), k, group_cols], 64-byte aligned (group_cols:
+// 48 on AVX-512, 24 on AVX2);
 // out: [m, n] row-major; k > 0. Groups are split evenly over num_threads threads (the caller's included).
 void pegaserve_lm_head(const float* hidden, int64_t m, int64_t k, const float* packed, int64_t n, float* out,
                        int64_t num_threads) {

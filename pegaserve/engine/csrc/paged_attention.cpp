@@ -6,9 +6,9 @@
 // 0 .. context_lens[r] - query_lens[r] + j (causal). Head h reads KV head h / (H / KVH) (GQA).
 // out: [num_tokens, H, D].
 //
-// Per (query, head): an online softmax over the keys, 16 at a time: their scores, the running max,
-// the weights 2^((s - max) log2 e), and the weighted sum of V, all in fp32; the result is divided by
-// the sum of weights at the end. D must be a multiple of 16, at most 256.
+// Per (query, head): an online softmax over the keys, kLanes at a time (16 on AVX-512, 8 on AVX2):
+// their scores, the running max, the weights 2^((s - max) log2 e), and the weighted sum of V, all in
+// fp32; the result is divided by the sum of weights at the end. D must be a multiple of 16, at most 256.
 //
 // Plain C ABI (loaded with ctypes), built like lm_head.cpp (pegaserve/engine/cpu_kernels.py).
 
@@ -21,11 +21,11 @@
 
 namespace {
 
-using pegaserve::exp2_ps;
-using pegaserve::kLanes;
-using pegaserve::lane_mask;
+namespace simd = pegaserve;
+using simd::kLanes;
+using simd::Vec;
 
-constexpr int kMaxVectors = 16;  // D <= 256
+constexpr int kMaxVectors = 256 / kLanes;  // D <= 256
 constexpr float kLog2E = 1.4426950408889634f;
 
 struct Layout {
@@ -34,12 +34,12 @@ struct Layout {
   int64_t block_size, token_stride;  // token_stride = KVH * D
 };
 
-template <int V>  // V = D / 16 vectors per head
+template <int V>  // V = D / kLanes vectors per head
 void attend(const float* q, const Layout& kv, const int64_t* table, int64_t num_keys, float scale, float* out) {
-  __m512 qv[V], acc[V];
+  Vec qv[V], acc[V];
   for (int i = 0; i < V; ++i) {
-    qv[i] = _mm512_mul_ps(_mm512_loadu_ps(q + i * kLanes), _mm512_set1_ps(scale * kLog2E));  // scores in log2 units
-    acc[i] = _mm512_setzero_ps();
+    qv[i] = simd::mul(simd::loadu(q + i * kLanes), simd::set1(scale * kLog2E));  // scores in log2 units
+    acc[i] = simd::zero();
   }
   float running_max = -INFINITY, total = 0.0f;
   alignas(64) float scores[kLanes];
@@ -48,30 +48,30 @@ void attend(const float* q, const Layout& kv, const int64_t* table, int64_t num_
     for (int64_t t = 0; t < count; ++t) {
       const int64_t pos = first + t;
       const float* key = kv.k + (table[pos / kv.block_size] * kv.block_size + pos % kv.block_size) * kv.token_stride;
-      __m512 dot = _mm512_mul_ps(qv[0], _mm512_loadu_ps(key));
-      for (int i = 1; i < V; ++i) dot = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(key + i * kLanes), dot);
-      scores[t] = _mm512_reduce_add_ps(dot);
+      Vec dot = simd::mul(qv[0], simd::loadu(key));
+      for (int i = 1; i < V; ++i) dot = simd::fmadd(qv[i], simd::loadu(key + i * kLanes), dot);
+      scores[t] = simd::reduce_add(dot);
     }
-    const __mmask16 valid = lane_mask(count);
-    const __m512 s = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), valid, scores);
-    const float new_max = std::max(running_max, _mm512_reduce_max_ps(s));
+    const simd::Mask valid = simd::lane_mask(count);
+    const Vec s = simd::load_or(valid, scores, simd::set1(-INFINITY));
+    const float new_max = std::max(running_max, simd::reduce_max(s));
     const float correction = running_max == -INFINITY ? 0.0f : std::exp2(running_max - new_max);
-    const __m512 shifted = _mm512_max_ps(_mm512_sub_ps(s, _mm512_set1_ps(new_max)), _mm512_set1_ps(-126.0f));
-    const __m512 w = _mm512_maskz_mov_ps(valid, exp2_ps(shifted));
-    _mm512_store_ps(scores, w);
-    total = total * correction + _mm512_reduce_add_ps(w);
-    const __m512 c = _mm512_set1_ps(correction);
-    for (int i = 0; i < V; ++i) acc[i] = _mm512_mul_ps(acc[i], c);
+    const Vec shifted = simd::max(simd::sub(s, simd::set1(new_max)), simd::set1(-126.0f));
+    const Vec w = simd::select(valid, simd::zero(), simd::exp2(shifted));
+    simd::store(scores, w);
+    total = total * correction + simd::reduce_add(w);
+    const Vec c = simd::set1(correction);
+    for (int i = 0; i < V; ++i) acc[i] = simd::mul(acc[i], c);
     for (int64_t t = 0; t < count; ++t) {
       const int64_t pos = first + t;
       const float* value = kv.v + (table[pos / kv.block_size] * kv.block_size + pos % kv.block_size) * kv.token_stride;
-      const __m512 weight = _mm512_set1_ps(scores[t]);
-      for (int i = 0; i < V; ++i) acc[i] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(value + i * kLanes), acc[i]);
+      const Vec weight = simd::set1(scores[t]);
+      for (int i = 0; i < V; ++i) acc[i] = simd::fmadd(weight, simd::loadu(value + i * kLanes), acc[i]);
     }
     running_max = new_max;
   }
-  const __m512 inverse = _mm512_set1_ps(1.0f / total);
-  for (int i = 0; i < V; ++i) _mm512_storeu_ps(out + i * kLanes, _mm512_mul_ps(acc[i], inverse));
+  const Vec inverse = simd::set1(1.0f / total);
+  for (int i = 0; i < V; ++i) simd::storeu(out + i * kLanes, simd::mul(acc[i], inverse));
 }
 
 using AttendFn = void (*)(const float*, const Layout&, const int64_t*, int64_t, float, float*);
