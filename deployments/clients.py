@@ -233,21 +233,25 @@ class DisaggregatedClient(_ServeEngineClient):
         running = {o.request_id: list(o.tokens) for o in result.outputs if o.finish is None}
         queue = self._track(running)
         lease = result.lease
+        carried = resumed = False  # a decode call carried the lease; one resumed without it
 
         def start(choices: Choices, tag: int, resume: bool):
+            nonlocal carried, resumed
+            carried, resumed = carried or not resume, resumed or resume
             return self.decode.generate.remote(request, choices, None if resume else lease, self.inbox.address, tag)
 
-        completed = False
         try:
             for output in result.outputs:
                 yield output
             if running:
                 async for output in self._stream(request, running, queue, start):
                     yield output
-            completed = True
         finally:
             self._untrack(request)
-            if lease is not None and not completed:  # decode may never claim it: free prefill's blocks now
+            # A decode call that carried the lease and ran every choice to its end had it: decode
+            # frees its blocks, or tells prefill to (deployments/decode.py). Otherwise decode may
+            # never claim it: free prefill's blocks now.
+            if lease is not None and (running or not carried or resumed):
                 self.releaser.release(lease.address, request.request_id)
 
 

@@ -40,6 +40,7 @@ class Decode(EngineServer):
         request_id = handoff.request.request_id
         target = await self.engine.receive(handoff)
         if target is None:
+            self.receiver.release(lease)
             return self._fell_back(handoff, self.receiver.transport_for(lease), "no free blocks to import")
         transfer = await self.receiver.fetch(lease, target, tuple(handoff.choice_ids))
         await self.engine.received(request_id, transfer.ok)
@@ -54,6 +55,7 @@ class Decode(EngineServer):
         source = core.SharedKv(lease.shared.path, lease.shared.shape, lease.parked)
         receipt = await self.engine.call(core.AddSharedHandoff(handoff, source))
         if receipt is None:
+            self.receiver.release(lease)
             return self._fell_back(handoff, "shm", "no free blocks to import")
         kv_bytes = receipt.num_blocks * lease.block_bytes
         await self.receiver.copied(lease, choice_ids, kv_bytes, receipt.seconds, receipt.held)  # prefill frees

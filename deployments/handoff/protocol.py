@@ -77,8 +77,9 @@ class Fetch:
 
 @dataclass(frozen=True)
 class Copied:
-    """Decode (same node, `shm`) has copied the lease's blocks out of the prefill engine's cache
-    itself; `held`: the copy was the prompt's (otherwise decode recomputes). Prefill frees them."""
+    """Decode is done with the lease's blocks: it copied them out of the prefill engine's cache
+    itself (same node, `shm`; `held`: the copy was the prompt's, otherwise decode recomputes), or
+    it will not read them (no bytes; it has them cached, or recomputes). Prefill frees them."""
 
     request_id: str
     choice_ids: tuple[str, ...]

@@ -77,15 +77,18 @@ class KvReceiver:
     async def fetch(self, lease: Lease, target: ReceiveTarget, choice_ids: tuple[str, ...]) -> Transfer:
         """The prompt's missing blocks into `target`, for the choices `choice_ids`. Never raises: a
         failure is a `Transfer` that is not ok (decode recomputes), and it returns only once nothing
-        writes into `target` any more (a transfer is never cut half way)."""
+        writes into `target` any more (a transfer is never cut half way). Either way the prefill
+        replica learns that it may free the lease: from the transfer itself, or told."""
         start = time.perf_counter()
         transport = self.transport_for(lease)
         if not target.block_ids:  # every block of the prompt was already in this replica's cache
+            self.release(lease)
             return Transfer(True, transport, seconds=time.perf_counter() - start)
         try:
             kv_bytes = await asyncio.wait_for(self._fetch(lease, target, choice_ids, transport), self.timeout_s)
         except Exception as exc:
             log.warning("KV fetch of %s failed (%s: %s); recomputing", lease.request_id, type(exc).__name__, exc)
+            self.release(lease)
             return Transfer(False, transport, f"transfer failed: {type(exc).__name__}")
         if kv_bytes is None:
             return Transfer(False, transport, "lease expired or unknown")
@@ -145,6 +148,13 @@ class KvReceiver:
             log.warning("cannot tell %s that %s was copied (%s)", lease.prefill_replica, lease.request_id, exc)
             return
         peer.connection.send(Copied(lease.request_id, choice_ids, kv_bytes, seconds, held))
+
+    def release(self, lease: Lease) -> None:
+        """Tell the prefill replica, in the background, that this replica will not read the lease's
+        blocks (it has them all cached, or recomputes): it frees them now, not at the lease's
+        expiry. The ingress leaves a lease to the decode call that carried it (deployments/clients.py)."""
+        if self.transport_for(lease) != "object_store":  # (that KV left the prefill engine at lease time)
+            asyncio.ensure_future(self.copied(lease, (), 0, 0.0, held=False))
 
     async def _pull(self, peer: _Peer, fetch: Fetch, lease: Lease) -> int | None:
         """Post the receives straight into the target blocks, then ask for the bytes; the sender's

@@ -200,7 +200,8 @@ class KvSender:
                                 for c in fetch.choice_ids])
 
     def _copied(self, connection: Connection, copied: Copied) -> None:
-        """A decode replica of this node copied a lease's blocks out of the shared cache itself."""
+        """A decode replica is done with a lease: it copied the blocks out of the shared cache itself
+        (this node), or will not read them."""
         self.engine.release(copied.request_id)
         if copied.held:
             self.ledger.record([KvSent(c, "shm", copied.kv_bytes, copied.seconds, self.name, connection.peer)

@@ -142,6 +142,24 @@ def test_gloo_a_lease_not_held_turns_the_bytes_away_and_the_pair_stays_in_step()
     run("gloo", scenario)
 
 
+@pytest.mark.parametrize("transport", ["gloo", "shm"])
+def test_a_lease_decode_will_not_read_is_freed_at_once_without_a_send(transport, request):
+    """Every block already cached on decode, or decode recomputing (no room, a fetch that failed):
+    decode tells prefill, which frees the blocks now rather than at the lease's expiry. The ingress
+    counts on it: it leaves the lease to the decode call that carried it (deployments/clients.py)."""
+
+    async def scenario(prefill, sender, receiver):
+        cached = await receiver.fetch(lease_of(sender, "cached"), ReceiveTarget((), len(PROMPT_BLOCKS)), ("cached",))
+        assert cached.ok and cached.kv_bytes == 0
+        assert await released(prefill, "cached")
+        receiver.release(lease_of(sender, "no-room"))
+        assert await released(prefill, "no-room")
+        assert receiver.transport_for(lease_of(sender, "any")) == transport
+        assert sender.ledger.records == [] and sender.num_pairs == 0  # nothing was sent
+
+    run(transport, scenario, request.getfixturevalue("kv_file") if transport == "shm" else None)
+
+
 def pair_threads() -> int:
     return sum(t.name.startswith("pegaserve-kv-pair") for t in threading.enumerate())
 
