@@ -237,7 +237,10 @@ class DisaggregatedClient(_ServeEngineClient):
 
         def start(choices: Choices, tag: int, resume: bool):
             nonlocal carried, resumed
-            carried, resumed = carried or not resume, resumed or resume
+            if resume:
+                resumed = True
+            else:
+                carried = True
             return self.decode.generate.remote(request, choices, None if resume else lease, self.inbox.address, tag)
 
         try:

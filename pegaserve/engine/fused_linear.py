@@ -6,9 +6,9 @@ on the AMD EPYC dev machine (2026-12-02, one thread) a [16, 256] x [256, 1536] p
 ~65 us in the LM head's kernel (`lm_head.CpuLogits`) against ~180-215 us for `linear` or an `mm`
 against a transposed copy, 2-2.5x from 16 to 128 rows; ~6% of a decode step. Its results differ from
 `linear`'s within fp32 rounding (each output is summed over the inputs in a fixed order), and a
-row's result does not depend on the rest of the batch. Where the kernel cannot run (neither AVX-512 nor AVX2),
-fp32 on the CPU is an `mm` against a contiguous [in, out] copy, faster than `linear` on Intel and
-bit-equal to it from 16 rows. The model keeps its Hugging Face parameters (loading stays a name
+row's result does not depend on the rest of the batch. Where the kernel cannot run (neither AVX-512
+nor AVX2), fp32 on the CPU is an `mm` against a contiguous [in, out] copy, faster than `linear` on
+Intel and bit-equal to it from 16 rows. The model keeps its Hugging Face parameters (loading stays a name
 mapping); this object reads them, and builds its fused copy on first use and again if a weight is
 replaced (the loader assigns weights after construction).
 """

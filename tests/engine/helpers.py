@@ -2,15 +2,36 @@
 
 from __future__ import annotations
 
+import pytest
+
+from pegaserve.engine import cpu_kernels
 from pegaserve.engine.engine import Engine
 from pegaserve.engine.offline import run_until_idle, token_ids
 from pegaserve.engine.request import EngineRequest, SamplingParams, StepOutput
 from pegaserve.stop import StopPolicy
 
-__all__ = ["EOS_IDS", "NO_KERNEL", "PROMPTS", "greedy_request", "run_to_completion", "token_ids"]
+__all__ = ["EOS_IDS", "PROMPTS", "greedy_request", "kernel_marks", "on_each_kernel_build", "run_to_completion",
+           "token_ids"]
 
 EOS_IDS = frozenset({151645, 151643})
-NO_KERNEL = "this CPU has neither AVX-512 nor AVX2 with FMA: the kernel cannot run"  # a skip's reason
+
+
+def kernel_marks(fallback: str) -> list:
+    """A CPU kernel's tests: skipped where no kernel runs (`fallback` says what runs instead), else
+    once per instruction set this CPU has (the `kernel_isa` fixture, conftest.py)."""
+    reason = f"this CPU has neither AVX-512 nor AVX2 with FMA: the kernel cannot run ({fallback})"
+    return [pytest.mark.skipif(cpu_kernels.isa() is None, reason=reason), pytest.mark.usefixtures("kernel_isa")]
+
+
+def on_each_kernel_build(fallback: str):
+    """`kernel_marks` as a decorator of one test."""
+
+    def mark(test):
+        for each in kernel_marks(fallback):
+            test = each(test)
+        return test
+
+    return mark
 
 
 def greedy_request(request_id: str, prompt: list[int], max_tokens: int, **policy) -> EngineRequest:

@@ -6,14 +6,11 @@ edges, scattered block tables, and a step that mixes them with a long prefill ch
 import pytest
 import torch
 
-from pegaserve.engine import cpu_attention, cpu_kernels
+from pegaserve.engine import cpu_attention
 from pegaserve.engine.attention import AttentionBatch, SdpaBackend
-from tests.engine.helpers import NO_KERNEL
+from tests.engine.helpers import kernel_marks
 
-pytestmark = [
-    pytest.mark.skipif(cpu_kernels.isa() is None, reason=f"{NO_KERNEL} (SDPA is used)"),
-    pytest.mark.usefixtures("kernel_isa"),  # each instruction set's build (conftest.py)
-]
+pytestmark = kernel_marks("SDPA is used")
 
 
 def make_batch(context_lens: list[int], query_lens: list[int], block_size: int, num_blocks: int, seed: int):

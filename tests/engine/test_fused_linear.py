@@ -10,13 +10,11 @@ from torch import nn
 
 from pegaserve.engine import lm_head
 from pegaserve.engine.fused_linear import FusedLinear
+from tests.engine.helpers import on_each_kernel_build
 
 ROWS = [1, 3, 16, 33, 200]
 SHAPES = [[(256, 256), (256, 128), (256, 128)], [(768, 256)], [(256, 768), (256, 768)]]
-def needs_kernel(test):
-    """Skipped where the LM head kernel cannot run; else once per instruction set (conftest.py)."""
-    skip = pytest.mark.skipif(not lm_head.has_kernel(), reason="the LM head kernel needs AVX-512, or AVX2 with FMA")
-    return skip(pytest.mark.usefixtures("kernel_isa")(test))
+needs_kernel = on_each_kernel_build("an `mm` is used")
 
 
 def linears(*shapes: tuple[int, int], seed: int = 0) -> list[nn.Linear]:

@@ -15,13 +15,9 @@ from pegaserve.engine.attention import SdpaBackend
 from pegaserve.engine.lm_head import CpuLogits, lm_head_reference
 from pegaserve.engine.model_config import ModelConfig
 from pegaserve.engine.qwen3 import Qwen3ForCausalLM
-from tests.engine.helpers import NO_KERNEL
+from tests.engine.helpers import on_each_kernel_build
 
-
-def needs_kernel(test):
-    """Skipped where no kernel runs (the fallback is tested); else once per instruction set (conftest.py)."""
-    skip = pytest.mark.skipif(cpu_kernels.isa() is None, reason=f"{NO_KERNEL} (the fallback is tested)")
-    return skip(pytest.mark.usefixtures("kernel_isa")(test))
+needs_kernel = on_each_kernel_build("the fallback is tested")
 
 ROW_COUNTS = [1, 3, 16, 17, 33, 64]
 SHAPES = [(1000, 256), (1001, 128), (333, 1024)]  # (vocab N, hidden K); N not a multiple of 16 (or 48)

@@ -8,15 +8,12 @@ import math
 import pytest
 import torch
 
-from pegaserve.engine import cpu_kernels, sampler, sampling_filters, sampling_passes, vocab_passes
+from pegaserve.engine import sampler, sampling_filters, sampling_passes, vocab_passes
 from pegaserve.engine.request import SamplingParams
 from pegaserve.engine.sampler import SamplingRow
-from tests.engine.helpers import NO_KERNEL
+from tests.engine.helpers import kernel_marks
 
-pytestmark = [
-    pytest.mark.skipif(cpu_kernels.isa() is None, reason=f"{NO_KERNEL} (torch's path is used)"),
-    pytest.mark.usefixtures("kernel_isa"),  # each instruction set's build (conftest.py)
-]
+pytestmark = kernel_marks("torch's path is used")
 FLOOR, CELL, BUCKETS = sampling_passes._FLOOR, sampling_passes._CELL, sampling_passes._TOP_P_BUCKETS
 
 
