@@ -1,9 +1,11 @@
 """`make bench-floor` (see the package's docstring): each system in turn on 127.0.0.1, the same load
 (streaming completions, random 128-token prompts, 64 tokens each, EOS ignored, no temperature sent,
-at most C in flight), every process's CPU metered around it less its idle rate. Writes
-docs/bench/FLOOR.md and floor.json.
+at most C in flight), every process's CPU metered around it less its idle rate; then the same
+requests with fewer tokens each, which splits each process's CPU into a part per request and a part
+per token. Writes docs/bench/FLOOR.md and floor.json.
 
-    python -m benchmarks.floor [--systems uvicorn,serve,pd,colocated] [--requests 128] [--concurrency 16] [--rounds 2]
+    python -m benchmarks.floor [--systems uvicorn,serve,pd,colocated] [--requests 128] [--concurrency 16]
+                               [--rounds 2] [--short-tokens 16]
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.cpu import CpuMeter, QuietGate, during_load, idle_rates
+from benchmarks.cpu import CpuMeter, CpuUsage, QuietGate, during_load, idle_rates
 from benchmarks.local_serve import HOST, free_port
 from benchmarks.peers.report import SERVING_PROCESSES, cpu_split
 from benchmarks.peers.run import CONFIG, colocated_config
@@ -52,16 +54,17 @@ def launch_for(key: str, run_dir: Path) -> Launch:
     return pegaserve_launch(key, config, venv, REPO_ROOT)
 
 
-async def stream_load(url: str, num_requests: int, concurrency: int, seed: int) -> dict:
-    """`num_requests` streamed completions, at most `concurrency` in flight: the chunks that carried
-    a choice, the requests that ended with `[DONE]`, and the wall time."""
+async def stream_load(url: str, num_requests: int, concurrency: int, seed: int,
+                      output_tokens: int = OUTPUT_TOKENS) -> dict:
+    """`num_requests` streamed completions of `output_tokens` each, at most `concurrency` in flight:
+    the chunks that carried a choice, the requests that ended with `[DONE]`, and the wall time."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(1000, 30000) for _ in range(PROMPT_TOKENS)] for _ in range(num_requests)]
     counts = {"chunks": 0, "completed": 0}
     slots = asyncio.Semaphore(concurrency)
 
     async def one(client: httpx.AsyncClient, prompt: list[int]) -> None:
-        body = {"model": "qwen3-tiny", "prompt": prompt, "max_tokens": OUTPUT_TOKENS, "ignore_eos": True,
+        body = {"model": "qwen3-tiny", "prompt": prompt, "max_tokens": output_tokens, "ignore_eos": True,
                 "stream": True}  # fmt: skip
         async with slots, client.stream("POST", f"{url}/v1/completions", json=body) as response:
             response.raise_for_status()
@@ -90,16 +93,19 @@ def bench_system(system: dict, round_: int, args: argparse.Namespace, run_dir: P
             asyncio.run(stream_load(launch.url, WARMUP_REQUESTS, WARMUP_REQUESTS, seed=-1))
             gate.wait()
             idle_per_s = idle_rates(IDLE_S)
-            meter = CpuMeter()
-            meter.start()
-            result = asyncio.run(stream_load(launch.url, args.requests, args.concurrency, seed=round_))
-            cpu = meter.stop(result["duration_s"])
-    except (ServerFailed, httpx.HTTPError) as e:
+
+            def metered(output_tokens: int) -> tuple[dict, CpuUsage]:
+                meter = CpuMeter()
+                meter.start()
+                result = asyncio.run(stream_load(launch.url, args.requests, args.concurrency, round_, output_tokens))
+                if result["completed"] < args.requests:  # a stream cut short: its tokens' cost would be misread
+                    raise LoadFailed(f"only {result['completed']} of {args.requests} streams ended with [DONE]")
+                return result, meter.stop(result["duration_s"])
+
+            result, cpu = metered(OUTPUT_TOKENS)
+            short = metered(args.short_tokens) if 0 < args.short_tokens < OUTPUT_TOKENS else None
+    except (ServerFailed, httpx.HTTPError, LoadFailed) as e:
         system["error"] = f"{type(e).__name__}: {e}"
-        print(f"  FAILED: {system['error']}", flush=True)
-        return
-    if result["completed"] < args.requests:  # a stream cut short: its tokens' cost would be misread
-        system["error"] = f"only {result['completed']} of {args.requests} streams ended with [DONE]"
         print(f"  FAILED: {system['error']}", flush=True)
         return
     during = during_load(cpu, result["duration_s"], idle_per_s)
@@ -108,9 +114,34 @@ def bench_system(system: dict, round_: int, args: argparse.Namespace, run_dir: P
     split_ms = {kind: cpu_s * 1e3 / tokens for kind, cpu_s in cpu_split(during).items()}
     run = {**result, "round": round_, "tokens_per_s": result["chunks"] / result["duration_s"],
            "others_cores": cpu.others_s / cpu.wall_s, "ms_per_token": split_ms, "process_ms_per_token": by_process_ms}
+    if short is not None:
+        short_during = during_load(short[1], short[0]["duration_s"], idle_per_s)
+        run["per_request_and_token"] = split_per_request(during, result["chunks"], short_during, short[0]["chunks"],
+                                                         args.requests)
     system["runs"].append(run)
     print(f"  {result['completed']}/{args.requests} done, {run['tokens_per_s']:.0f} tok/s, serving path "
           f"{split_ms['serving']:.3f} CPU-ms/token, others {run['others_cores']:.2f} cores", flush=True)  # fmt: skip
+
+
+class LoadFailed(RuntimeError):
+    pass
+
+
+def split_per_request(long: dict[str, float], long_tokens: int, short: dict[str, float], short_tokens: int,
+                      num_requests: int) -> dict[str, tuple[float, float]]:
+    """Each process's CPU-ms (and the kinds' of `cpu_split`) as (per request, per token), from two
+    loads of the same requests with different numbers of tokens: cpu = requests * a + tokens * b.
+    What a process spends per second of load, not per token (metrics, health checks), counts as per
+    token here, more so the longer the load."""
+
+    def fit(long_s: float, short_s: float) -> tuple[float, float]:
+        per_token = (long_s - short_s) / max(1, long_tokens - short_tokens)
+        return (long_s - per_token * long_tokens) * 1e3 / num_requests, per_token * 1e3
+
+    labels = set(long) | set(short)
+    fitted = {label: fit(long.get(label, 0.0), short.get(label, 0.0)) for label in labels}
+    long_kinds, short_kinds = cpu_split(long), cpu_split(short)
+    return {**fitted, **{f"kind:{kind}": fit(long_kinds[kind], short_kinds[kind]) for kind in long_kinds}}
 
 
 def _median(runs: list[dict], pick) -> float:
@@ -160,8 +191,41 @@ def write_report(raw: dict, out: Path) -> None:
         lines.append(f"| {system['name']} | {_median(runs, lambda r: r['tokens_per_s']):.0f} | {serving} | "
                      f"{_serving_processes(runs)} | {engine:.3f} | {rest:.3f} | "
                      f"{_median(runs, lambda r: r['others_cores']):.2f} |")  # fmt: skip
+    lines += _split_table(raw)
     lines += ["", "## Notes", "", notes, ""]
     path.write_text("\n".join(lines))
+
+
+def _split_table(raw: dict) -> list[str]:
+    """Per request and per token, for the systems that ran the short load too."""
+    rows = []
+    for system in raw["systems"]:
+        runs = [r for r in system["runs"] if "per_request_and_token" in r]
+        if not runs:
+            continue
+
+        def median(label: str, i: int, runs=runs) -> float:
+            return _median(runs, lambda run, lb=label, k=i: run["per_request_and_token"].get(lb, (0.0, 0.0))[k])
+
+        labels = {label for r in runs for label in r["per_request_and_token"] if label.startswith(SERVING_PROCESSES)}
+        parts = sorted(((median(label, 0), median(label, 1), label) for label in labels), key=lambda p: -p[0] - p[1])
+        named = ", ".join(f"{label} {a:.2f} + {b:.3f}" for a, b, label in parts if a >= 0.005 or b >= 0.001)
+        rows.append(f"| {system['name']} | {median('kind:serving', 0):.2f} | {median('kind:serving', 1):.3f} | "
+                    f"{named} | {median('kind:rest', 0):.2f} + {median('kind:rest', 1):.3f} |")
+    if not rows:
+        return []
+    short = raw["settings"].get("short_tokens")
+    return [
+        "", "## Per request and per token", "",
+        f"Each system also served the same requests with {short} tokens each instead of {OUTPUT_TOKENS}; the two "
+        "loads split each process's CPU into a part per request and a part per token (cpu = requests x a + "
+        "tokens x b; what a process spends per second under load counts as per token). At "
+        f"{OUTPUT_TOKENS} tokens a request, a/{OUTPUT_TOKENS} + b is the per-token figure above.", "",
+        "| system | serving path ms/request | serving path ms/token | its processes (ms/request + ms/token) "
+        "| Ray and the rest |",
+        "|---|---:|---:|---|---:|",
+        *rows,
+    ]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -170,6 +234,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=128, help="streamed completions per measurement")
     parser.add_argument("--concurrency", type=int, default=16, help="most requests in flight")
     parser.add_argument("--rounds", type=int, default=2, help="times the whole sequence of systems runs")
+    parser.add_argument("--short-tokens", type=int, default=16,
+                        help=f"tokens per request of the second load (below {OUTPUT_TOKENS}; 0: no second load)")
     parser.add_argument("--out", type=Path, default=DOCS_DIR, help="where FLOOR.md and floor.json go")
     parser.add_argument("--render", type=Path, default=None, metavar="FLOOR_JSON",
                         help="only rewrite FLOOR.md in --out from this floor.json")  # fmt: skip
@@ -191,6 +257,7 @@ def main(argv: list[str] | None = None) -> None:
                 bench_system(system, round_, args, run_dir, gate)
     raw = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "commit": commit_text(),
            "settings": {"requests": args.requests, "concurrency": args.concurrency, "rounds": args.rounds,
+                        "short_tokens": args.short_tokens,
                         "total_s": time.monotonic() - started},
            "machine": machine(), "systems": systems}  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
