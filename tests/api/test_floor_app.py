@@ -9,6 +9,7 @@ import json
 import httpx
 
 from benchmarks.floor import app as floor
+from benchmarks.floor.run import split_per_request
 
 
 def _post(body: dict) -> httpx.Response:
@@ -35,3 +36,16 @@ def test_unstreamed_answer_holds_every_token(monkeypatch):
     monkeypatch.setattr(floor, "clock", floor.StepClock(0.001))
     choice = _post({"model": "m", "prompt": "hi", "max_tokens": 3}).json()["choices"][0]
     assert choice["text"] == floor.TOKEN_TEXT * 3 and choice["finish_reason"] == "length"
+
+
+def test_split_per_request_recovers_both_parts():
+    """The split's arithmetic: two loads of 10 requests, 640 and 160 tokens, of a process that
+    costs 2 ms a request and 0.1 ms a token (and the serving-path total, for a replica's label)."""
+    def cpu_s(tokens: int) -> dict[str, float]:
+        return {"ServeReplica:app:Ingress": (10 * 2.0 + tokens * 0.1) / 1e3}
+
+    split = split_per_request(cpu_s(640), 640, cpu_s(160), 160, num_requests=10)
+    for label in ("ServeReplica:app:Ingress", "kind:serving"):
+        per_request_ms, per_token_ms = split[label]
+        assert abs(per_request_ms - 2.0) < 1e-9 and abs(per_token_ms - 0.1) < 1e-9
+    assert split["kind:engine"] == (0.0, 0.0)
