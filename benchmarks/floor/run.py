@@ -208,7 +208,7 @@ def _split_table(raw: dict) -> list[str]:
             return _median(runs, lambda run, lb=label, k=i: run["per_request_and_token"].get(lb, (0.0, 0.0))[k])
 
         labels = {label for r in runs for label in r["per_request_and_token"] if label.startswith(SERVING_PROCESSES)}
-        parts = sorted(((median(label, 0), median(label, 1), label) for label in labels), key=lambda p: -p[0] - p[1])
+        parts = sorted(((median(label, 0), median(label, 1), label) for label in labels), key=lambda p: -(p[0] / OUTPUT_TOKENS + p[1]))
         named = ", ".join(f"{label} {a:.2f} + {b:.3f}" for a, b, label in parts if a >= 0.005 or b >= 0.001)
         rows.append(f"| {system['name']} | {median('kind:serving', 0):.2f} | {median('kind:serving', 1):.3f} | "
                     f"{named} | {median('kind:rest', 0):.2f} + {median('kind:rest', 1):.3f} |")
