@@ -208,7 +208,8 @@ def _split_table(raw: dict) -> list[str]:
             return _median(runs, lambda run, lb=label, k=i: run["per_request_and_token"].get(lb, (0.0, 0.0))[k])
 
         labels = {label for r in runs for label in r["per_request_and_token"] if label.startswith(SERVING_PROCESSES)}
-        parts = sorted(((median(label, 0), median(label, 1), label) for label in labels), key=lambda p: -(p[0] / OUTPUT_TOKENS + p[1]))
+        parts = sorted(((median(label, 0), median(label, 1), label) for label in labels),
+                       key=lambda p: -(p[0] / OUTPUT_TOKENS + p[1]))  # by the cost at OUTPUT_TOKENS a request
         named = ", ".join(f"{label} {a:.2f} + {b:.3f}" for a, b, label in parts if a >= 0.005 or b >= 0.001)
         rows.append(f"| {system['name']} | {median('kind:serving', 0):.2f} | {median('kind:serving', 1):.3f} | "
                     f"{named} | {median('kind:rest', 0):.2f} + {median('kind:rest', 1):.3f} |")
@@ -241,6 +242,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="only rewrite FLOOR.md in --out from this floor.json")  # fmt: skip
     args = parser.parse_args(argv)
     if args.render:
+        args.out.mkdir(parents=True, exist_ok=True)
         write_report(json.loads(args.render.read_text()), args.out)
         return
     keys = [k.strip() for k in args.systems.split(",") if k.strip()]
