@@ -4,7 +4,7 @@ at most C in flight), every process's CPU metered around it less its idle rate; 
 requests with fewer tokens each, which splits each process's CPU into a part per request and a part
 per token. Writes docs/bench/FLOOR.md and floor.json.
 
-    python -m benchmarks.floor [--systems uvicorn,serve,pd,colocated] [--requests 128] [--concurrency 16]
+    python -m benchmarks.floor [--systems uvicorn,serve,serve-pd,pd,colocated] [--requests 128] [--concurrency 16]
                                [--rounds 2] [--short-tokens 16]
 """
 
@@ -33,10 +33,12 @@ from benchmarks.reports import DOCS_DIR, REPO_ROOT, commit_text, kept_notes, mac
 SYSTEMS = {
     "uvicorn": "stand-in app, plain uvicorn",
     "serve": "stand-in app on Serve (as `make serve`)",
+    "serve-pd": "stand-in app on Serve, with P/D's two Serve calls",
     "pd": "pegaserve P/D",
     "colocated": "pegaserve colocated",
 }
 FLOOR_CONFIG = Path(__file__).with_name("floor.yaml")
+FLOOR_PD_CONFIG = Path(__file__).with_name("floor-pd.yaml")
 PROMPT_TOKENS, OUTPUT_TOKENS = 128, 64
 WARMUP_REQUESTS = 8
 IDLE_S = 8.0
@@ -50,7 +52,7 @@ def launch_for(key: str, run_dir: Path) -> Launch:
         argv = (str(venv / "bin" / "python"), "-m", "uvicorn", "benchmarks.floor.app:app", "--host", HOST,
                 "--port", str(port), "--no-access-log")  # fmt: skip
         return Launch(key, argv, REPO_ROOT, port, ready_timeout_s=60)
-    config = {"serve": FLOOR_CONFIG, "pd": CONFIG}.get(key) or colocated_config(CONFIG, run_dir / "colocated.yaml")
+    config = {"serve": FLOOR_CONFIG, "serve-pd": FLOOR_PD_CONFIG, "pd": CONFIG}.get(key) or colocated_config(CONFIG, run_dir / "colocated.yaml")
     return pegaserve_launch(key, config, venv, REPO_ROOT)
 
 
@@ -171,7 +173,10 @@ def write_report(raw: dict, out: Path) -> None:
         "ingress is by one frame per engine step. No model, no tokenizer, no Serve calls, no ledger.",
         "- *plain uvicorn*: `python -m uvicorn benchmarks.floor.app:app`. *on Serve*: `serve run "
         "benchmarks/floor/floor.yaml`, with `make serve`'s environment (HAProxy in front, Serve's throughput "
-        "mode) and the Ingress's options. pegaserve: `serve run configs/cluster.yaml`, and its colocated variant.",
+        "mode) and the Ingress's options. *with P/D's two Serve calls*: `floor-pd.yaml`, the same app making, per "
+        "request, the two Serve calls pegaserve's ingress makes in P/D: one to a `Prefill` deployment answered at "
+        "once, one to a `Decode` deployment held open while the request streams (no-ops, with those deployments' "
+        "options). pegaserve: `serve run configs/cluster.yaml`, and its colocated variant.",
         f"- The same load for all: {s['requests']} streamed completions of random {PROMPT_TOKENS}-token prompts, "
         f"{OUTPUT_TOKENS} tokens each (`ignore_eos`, no temperature sent), at most {s['concurrency']} in flight, "
         "read with httpx; the CPU of every process each system started, metered around the load, less its idle "

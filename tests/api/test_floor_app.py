@@ -38,6 +38,44 @@ def test_unstreamed_answer_holds_every_token(monkeypatch):
     assert choice["text"] == floor.TOKEN_TEXT * 3 and choice["finish_reason"] == "length"
 
 
+class _Method:
+    def __init__(self, calls: list, name: str, run) -> None:
+        self.calls, self.name, self.run = calls, name, run
+
+    def remote(self, *args):
+        self.calls.append((self.name, args))
+        return asyncio.ensure_future(self.run(*args))
+
+
+class _Handle:
+    def __init__(self, calls: list, name: str, run) -> None:
+        setattr(self, name, _Method(calls, name, run))
+
+
+def test_pd_calls_make_two_calls_a_request_and_hold_the_second_to_the_end(monkeypatch):
+    """floor-pd.yaml's stand-in makes P/D's Serve calls: prefill's, answered before any token, then
+    decode's, for the stream's length, awaited before `[DONE]`."""
+    monkeypatch.setattr(floor, "clock", floor.StepClock(0.001))
+    calls: list = []
+    ended: list = []
+
+    async def prefill():
+        return None
+
+    async def generate(stream_s: float):
+        await asyncio.sleep(0.01)
+        ended.append(stream_s)
+
+    floor.app.state.calls = floor.PdCalls(_Handle(calls, "prefill", prefill), _Handle(calls, "generate", generate))
+    try:
+        response = _post({"model": "m", "prompt": "hi", "max_tokens": 4, "stream": True})
+    finally:
+        floor.app.state.calls = None
+    assert response.text.endswith("data: [DONE]\n\n")
+    assert calls == [("prefill", ()), ("generate", (4 * floor.STEP_S,))]
+    assert ended == [4 * floor.STEP_S]  # the held call ended before the answer did
+
+
 def test_split_per_request_recovers_both_parts():
     """The split's arithmetic: two loads of 10 requests, 640 and 160 tokens, of a process that
     costs 2 ms a request and 0.1 ms a token (and the serving-path total, for a replica's label)."""
