@@ -4,8 +4,8 @@ at most C in flight), every process's CPU metered around it less its idle rate; 
 requests with fewer tokens each, which splits each process's CPU into a part per request and a part
 per token. Writes docs/bench/FLOOR.md and floor.json.
 
-    python -m benchmarks.floor [--systems uvicorn,serve,serve-pd,pd,colocated] [--requests 128] [--concurrency 16]
-                               [--rounds 2] [--short-tokens 16]
+    python -m benchmarks.floor [--systems uvicorn,serve,serve-pd,pd,colocated] [--requests 128]
+                               [--concurrency 16] [--rounds 2] [--short-tokens 16]
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ def launch_for(key: str, run_dir: Path) -> Launch:
         argv = (str(venv / "bin" / "python"), "-m", "uvicorn", "benchmarks.floor.app:app", "--host", HOST,
                 "--port", str(port), "--no-access-log")  # fmt: skip
         return Launch(key, argv, REPO_ROOT, port, ready_timeout_s=60)
-    config = {"serve": FLOOR_CONFIG, "serve-pd": FLOOR_PD_CONFIG, "pd": CONFIG}.get(key) or colocated_config(CONFIG, run_dir / "colocated.yaml")
+    configs = {"serve": FLOOR_CONFIG, "serve-pd": FLOOR_PD_CONFIG, "pd": CONFIG}
+    config = configs.get(key) or colocated_config(CONFIG, run_dir / "colocated.yaml")
     return pegaserve_launch(key, config, venv, REPO_ROOT)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from types import SimpleNamespace
 
 import httpx
 
@@ -38,18 +39,14 @@ def test_unstreamed_answer_holds_every_token(monkeypatch):
     assert choice["text"] == floor.TOKEN_TEXT * 3 and choice["finish_reason"] == "length"
 
 
-class _Method:
-    def __init__(self, calls: list, name: str, run) -> None:
-        self.calls, self.name, self.run = calls, name, run
+def _handle(calls: list, name: str, run) -> SimpleNamespace:
+    """A Serve handle with one method `name`: `.remote(*args)` logs the call and runs `run(*args)`."""
 
-    def remote(self, *args):
-        self.calls.append((self.name, args))
-        return asyncio.ensure_future(self.run(*args))
+    def remote(*args):
+        calls.append((name, args))
+        return asyncio.ensure_future(run(*args))
 
-
-class _Handle:
-    def __init__(self, calls: list, name: str, run) -> None:
-        setattr(self, name, _Method(calls, name, run))
+    return SimpleNamespace(**{name: SimpleNamespace(remote=remote)})
 
 
 def test_pd_calls_make_two_calls_a_request_and_hold_the_second_to_the_end(monkeypatch):
@@ -66,7 +63,7 @@ def test_pd_calls_make_two_calls_a_request_and_hold_the_second_to_the_end(monkey
         await asyncio.sleep(0.01)
         ended.append(stream_s)
 
-    floor.app.state.calls = floor.PdCalls(_Handle(calls, "prefill", prefill), _Handle(calls, "generate", generate))
+    floor.app.state.calls = floor.PdCalls(_handle(calls, "prefill", prefill), _handle(calls, "generate", generate))
     try:
         response = _post({"model": "m", "prompt": "hi", "max_tokens": 4, "stream": True})
     finally:
