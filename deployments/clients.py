@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 
+from deployments.calls import Choices, ColocatedCall, DecodeCall, PrefillResult, pack, unpack
 from deployments.channel import Address, Connection, connect
 from deployments.handoff.protocol import ReleaseLease
 from deployments.ledger import LedgerBuffer, stats_board
@@ -50,7 +51,6 @@ class _Wake:
     """Put in a request's queue when one of its choices was aborted (it may be the last)."""
 
 
-Choices = tuple[tuple[int, tuple[SampledToken, ...]], ...]
 StartCall = Callable[[Choices, int, bool], object]  # (choices with their tokens, tag, resume?) -> response
 
 
@@ -207,8 +207,8 @@ class DisaggregatedClient(_ServeEngineClient):
     def __init__(self, prefill, decode, inbox: TokenInbox, name: str, model: str, max_migrations: int,
                  ledger: "ActorLedgerClient", stream_interval: int = 1) -> None:
         super().__init__(inbox, name, model, max_migrations, ledger, stream_interval)
-        self.prefill = prefill
-        self.decode = decode
+        self._prefill_call = prefill.prefill  # (each attribute of a handle is a new handle)
+        self._decode_call = decode.generate
         self.releaser = LeaseReleaser(name)
 
     async def _prefill(self, request: EngineRequest):
@@ -217,7 +217,7 @@ class DisaggregatedClient(_ServeEngineClient):
         prefill that had finished already would otherwise hold its blocks until the lease expires."""
         for attempt in (1, 2):
             try:
-                return await self.prefill.prefill.remote(request)
+                return unpack(await self._prefill_call.remote(pack(request)), PrefillResult)
             except asyncio.CancelledError:
                 self.releaser.release_everywhere(self._app_prefix, request.request_id, self.ledger.buffer.detached)
                 raise
@@ -241,7 +241,8 @@ class DisaggregatedClient(_ServeEngineClient):
                 resumed = True
             else:
                 carried = True
-            return self.decode.generate.remote(request, choices, None if resume else lease, self.inbox.address, tag)
+            return self._decode_call.remote(pack(DecodeCall(request, choices, None if resume else lease,
+                                                            self.inbox.address, tag)))
 
         try:
             for output in result.outputs:
@@ -262,14 +263,15 @@ class ColocatedClient(_ServeEngineClient):
     def __init__(self, colocated, inbox: TokenInbox, name: str, model: str, max_migrations: int,
                  ledger: "ActorLedgerClient", stream_interval: int = 1) -> None:
         super().__init__(inbox, name, model, max_migrations, ledger, stream_interval)
-        self.colocated = colocated
+        self._generate_call = colocated.generate  # (each attribute of a handle is a new handle)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[StepOutput]:
         running = {request.choice_id(i): [] for i in range(request.n)}
         queue = self._track(running)
 
         def start(choices: Choices, tag: int, resume: bool):
-            return self.colocated.generate.remote(request, self.inbox.address, tag, choices if resume else None)
+            return self._generate_call.remote(pack(ColocatedCall(request, self.inbox.address, tag,
+                                                                 choices if resume else None)))
 
         try:
             async for output in self._stream(request, running, queue, start):

@@ -4,22 +4,24 @@ from __future__ import annotations
 
 from ray import serve
 
-from deployments.channel import Address
+from deployments.calls import ColocatedCall, unpack
 from deployments.engine_server import EngineServer
+from deployments.replica import QUIET
 from pegaserve.engine import core
 from pegaserve.engine.config import Role
-from pegaserve.engine.request import EngineRequest, SampledToken
 
 
-@serve.deployment(name="Colocated")
+@serve.deployment(name="Colocated", logging_config=QUIET)
 class Colocated(EngineServer):
     def __init__(self, args: dict) -> None:
         super().__init__(args, Role.BOTH, "Colocated")
 
-    async def generate(self, request: EngineRequest, reply_to: Address, tag: int,
-                       choices: tuple[tuple[int, tuple[SampledToken, ...]], ...] | None = None) -> None:
-        """Run `request` (or resume `choices` of it) and stream its tokens to `reply_to`."""
-        if choices is not None:
-            return await self._resume(request, choices, reply_to, tag)
+    async def generate(self, packed_call: bytes) -> None:
+        """Run a packed `ColocatedCall` (deployments/calls.py): its request, or the resume of some
+        of its choices, streaming their tokens to the ingress."""
+        call = unpack(packed_call, ColocatedCall)
+        if call.choices is not None:
+            return await self._resume(call.request, call.choices, call.reply_to, call.tag)
+        request = call.request
         choice_ids = [request.choice_id(i) for i in range(request.n)]
-        await self._serve(request, choice_ids, reply_to, tag, self.engine.call(core.AddRequest(request)))
+        await self._serve(request, choice_ids, call.reply_to, call.tag, self.engine.call(core.AddRequest(request)))

@@ -6,18 +6,19 @@ from __future__ import annotations
 
 from ray import serve
 
-from deployments.channel import Address
+from deployments.calls import DecodeCall, unpack
 from deployments.engine_server import EngineServer
 from deployments.handoff.protocol import Lease
 from deployments.handoff.receiver import KvReceiver
 from deployments.metrics import TransferMetrics
+from deployments.replica import QUIET
 from pegaserve.engine import core
 from pegaserve.engine.config import Role
-from pegaserve.engine.request import EngineRequest, Handoff, SampledToken
+from pegaserve.engine.request import Handoff
 from pegaserve.ledger import Fallback, KvReceived
 
 
-@serve.deployment(name="Decode")
+@serve.deployment(name="Decode", logging_config=QUIET)
 class Decode(EngineServer):
     def __init__(self, args: dict) -> None:
         super().__init__(args, Role.DECODE, "Decode")
@@ -25,14 +26,15 @@ class Decode(EngineServer):
         used = {"shm": ("shm", "gloo")}.get(self.args.transport, (self.args.transport,))  # shm: gloo across nodes
         self.transfers = TransferMetrics(self.args.served_name, "Decode", used)
 
-    async def generate(self, request: EngineRequest, choices: tuple[tuple[int, tuple[SampledToken, ...]], ...],
-                       lease: Lease | None, reply_to: Address, tag: int) -> None:
-        """Continue `choices` of `request` (each with its tokens so far) and stream their tokens to
-        `reply_to`; with no lease (a resume), the prompt and those tokens are recomputed here."""
-        if lease is None:
-            return await self._resume(request, choices, reply_to, tag)
-        handoff = Handoff(request, choices)
-        await self._serve(request, handoff.choice_ids, reply_to, tag, self._receive(handoff, lease))
+    async def generate(self, packed_call: bytes) -> None:
+        """Run a packed `DecodeCall` (deployments/calls.py): continue its choices (each with its
+        tokens so far), streaming their tokens to the ingress, after the KV handoff or, with no
+        lease (a resume), recomputing the prompt and those tokens here."""
+        call = unpack(packed_call, DecodeCall)
+        if call.lease is None:
+            return await self._resume(call.request, call.choices, call.reply_to, call.tag)
+        handoff = Handoff(call.request, call.choices)
+        await self._serve(call.request, handoff.choice_ids, call.reply_to, call.tag, self._receive(handoff, call.lease))
 
     async def _receive(self, handoff: Handoff, lease: Lease) -> None:
         if self.receiver.copies_in_engine(lease):

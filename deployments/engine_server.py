@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable
 
+from deployments.calls import Choices
 from deployments.channel import Address
 from deployments.config import AppArgs
 from deployments.metrics import EngineMetrics
@@ -14,7 +15,7 @@ from deployments.replica import check_engine, ledger_buffer, post_stats_forever,
 from deployments.tokens import TokenRouter
 from pegaserve.engine import core
 from pegaserve.engine.config import Role
-from pegaserve.engine.request import EngineRequest, Handoff, SampledToken
+from pegaserve.engine.request import EngineRequest, Handoff
 
 
 class EngineServer:
@@ -46,8 +47,7 @@ class EngineServer:
                 self.router.unroute(choice_ids)
                 self.engine.abort(request.request_id)
 
-    async def _resume(self, request: EngineRequest, choices: tuple[tuple[int, tuple[SampledToken, ...]], ...],
-                      reply_to: Address, tag: int) -> None:
+    async def _resume(self, request: EngineRequest, choices: Choices, reply_to: Address, tag: int) -> None:
         """Continue choices that already have tokens (their replica died): recomputed here."""
         handoff = Handoff(request, choices)
         await self._serve(request, handoff.choice_ids, reply_to, tag, self.engine.call(core.AddHandoff(handoff)))

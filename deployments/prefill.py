@@ -4,30 +4,22 @@ a lease and sent to whichever decode replica claims it (docs/CONTRACT.md rules 2
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 
 from ray import serve
 
+from deployments.calls import PrefillResult, pack, unpack
 from deployments.config import AppArgs
-from deployments.handoff.protocol import Lease
 from deployments.handoff.sender import KvSender
 from deployments.ledger import stats_board
 from deployments.metrics import EngineMetrics
-from deployments.replica import check_engine, ledger_buffer, post_stats_forever, replica_name, start_engine
+from deployments.replica import QUIET, check_engine, ledger_buffer, post_stats_forever, replica_name, start_engine
 from pegaserve.engine.config import Role
-from pegaserve.engine.request import EngineRequest, StepOutput
+from pegaserve.engine.request import EngineRequest
 from pegaserve.ledger import Prefilled
 from pegaserve.testing.hook import active_doubles
 
 
-@dataclass(frozen=True)
-class PrefillResult:
-    outputs: list[StepOutput]  # each choice's first token (or its finish, when it is terminal)
-    replica: str
-    lease: Lease | None  # None: every choice finished at its first token, nothing to move
-
-
-@serve.deployment(name="Prefill")
+@serve.deployment(name="Prefill", logging_config=QUIET)
 class Prefill:
     async def __init__(self, args: dict) -> None:
         self.args = AppArgs.model_validate(args)
@@ -42,14 +34,16 @@ class Prefill:
         stats_board().announce.remote(self.name, self.sender.address)  # where ingresses send releases
         self._stats = asyncio.ensure_future(post_stats_forever(self.engine, metrics, self.name, "prefill"))
 
-    async def prefill(self, request: EngineRequest) -> PrefillResult:
+    async def prefill(self, packed_request: bytes) -> bytes:
+        """The packed `PrefillResult` of a packed `EngineRequest` (deployments/calls.py)."""
+        request = unpack(packed_request, EngineRequest)
         outputs = await self.engine.prefill(request)
         self.ledger.record([Prefilled(o.request_id, o.tokens[0].token_id, o.tokens[0].logprob, self.name)
                             for o in outputs if o.tokens])
         lease = None
         if any(o.finish is None for o in outputs):
             lease = await self.sender.lease(request, outputs)
-        return PrefillResult(outputs, self.name, lease)
+        return pack(PrefillResult(outputs, self.name, lease))
 
     async def check_health(self) -> None:
         check_engine(self.engine)
