@@ -16,6 +16,7 @@ from deployments.tokens import TokenRouter
 from pegaserve.engine import core
 from pegaserve.engine.config import Role
 from pegaserve.engine.request import EngineRequest, Handoff
+from pegaserve.heap import freeze_startup_heap
 
 
 class EngineServer:
@@ -28,6 +29,7 @@ class EngineServer:
         self.ledger = ledger_buffer(self.args, self.name)
         metrics = EngineMetrics(self.args.served_name, deployment, self.name)
         self._stats = asyncio.ensure_future(post_stats_forever(self.engine, metrics, self.name, role.value))
+        freeze_startup_heap()
 
     def _abort(self, choice_id: str) -> None:
         self.engine.abort(choice_id)

@@ -19,6 +19,7 @@ from pegaserve.api.model_info import model_info
 from pegaserve.api.validation import Limits
 from pegaserve.default_model import ensure_model_dir
 from pegaserve.engine.model_config import ModelConfig
+from pegaserve.heap import freeze_startup_heap
 from pegaserve.tokenizer import Tokenizer
 
 
@@ -44,6 +45,7 @@ class Ingress:
                                          ledger, self.args.stream_interval)
         limits = Limits(**self.args.limits.model_dump())
         self.frontend = Frontend(engine, tokenizer, info, ledger, limits, IngressMetrics(info.name))
+        freeze_startup_heap()
 
     def __serve_build_asgi_app__(self):
         # Serve answers every request with its X-Request-Id (the client's, else one it made): not twice

@@ -15,6 +15,7 @@ from deployments.metrics import EngineMetrics
 from deployments.replica import QUIET, check_engine, ledger_buffer, post_stats_forever, replica_name, start_engine
 from pegaserve.engine.config import Role
 from pegaserve.engine.request import EngineRequest
+from pegaserve.heap import freeze_startup_heap
 from pegaserve.ledger import Prefilled
 from pegaserve.testing.hook import active_doubles
 
@@ -33,6 +34,7 @@ class Prefill:
         metrics = EngineMetrics(self.args.served_name, "Prefill", self.name)
         stats_board().announce.remote(self.name, self.sender.address)  # where ingresses send releases
         self._stats = asyncio.ensure_future(post_stats_forever(self.engine, metrics, self.name, "prefill"))
+        freeze_startup_heap()
 
     async def prefill(self, packed_request: bytes) -> bytes:
         """The packed `PrefillResult` of a packed `EngineRequest` (deployments/calls.py)."""

@@ -15,6 +15,7 @@ from pegaserve.engine.async_engine import AsyncEngine
 from pegaserve.engine.build import load_engine
 from pegaserve.engine.engine import Engine, EngineConfig
 from pegaserve.engine.model_config import ModelConfig
+from pegaserve.heap import freeze_startup_heap
 from pegaserve.tokenizer import Tokenizer
 
 
@@ -47,4 +48,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     frontend = build_local_frontend(args.model, EngineConfig(max_model_len=args.max_model_len),
                                     attention_backend=args.attention_backend)
-    uvicorn.run(build_app(frontend), host=args.host, port=args.port)
+    app = build_app(frontend)
+    freeze_startup_heap()
+    uvicorn.run(app, host=args.host, port=args.port)

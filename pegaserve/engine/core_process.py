@@ -37,6 +37,7 @@ from pegaserve.engine.async_engine import EngineDead, Transport
 from pegaserve.engine.kv_files import map_kv_file
 from pegaserve.engine.config import EngineConfig
 from pegaserve.engine.core import Command, EngineCore, Health, run_loop
+from pegaserve.heap import freeze_startup_heap
 
 log = logging.getLogger(__name__)
 _HEADER = struct.Struct("!I")
@@ -257,6 +258,7 @@ def _child_main(fd: int) -> None:
         _send(sock, ("failed", f"{type(exc).__name__}: {exc}"), lock)
         raise
     core = EngineCore(engine)
+    freeze_startup_heap()
     _send(sock, ("ready", *shared), lock)
     closed = threading.Event()
     last_report = [0.0]
