@@ -11,7 +11,7 @@ import sys
 import httpx
 import pytest
 
-from pegaserve.api.app import build_app
+from pegaserve.api.app import _event, build_app
 from pegaserve.api.body import parse_body
 from pegaserve.api.clients import EngineClient
 from pegaserve.api.errors import ApiError
@@ -184,3 +184,15 @@ def test_failures_reach_the_client_without_internals(tiny_model_dir, caplog, how
     assert not any(leak in response.text for leak in LEAKS), response.text
     assert summary["by_status"].get("error") == 1 and summary["invariant_violations"] == 0
     assert SECRET in caplog.text  # the operator still sees it
+
+
+@pytest.mark.parametrize("body", [
+    {"text": "é🙂\n\"", "logprob": -9999.0, "ids": (1, 2)},
+    {"text": "x\udfffy"},  # orjson refuses a lone surrogate: the standard encoder escapes it
+    {"seed": 2**70},  # past 64 bits: likewise
+], ids=["plain", "lone-surrogate", "big-int"])
+def test_an_sse_event_is_one_json_line_whatever_its_body(body):
+    event = _event(body)
+    assert event.startswith(b"data: ") and event.endswith(b"\n\n") and event.count(b"\n") == 2
+    expected = {k: list(v) if isinstance(v, tuple) else v for k, v in body.items()}
+    assert json.loads(event[len(b"data: "):].decode()) == expected
