@@ -65,6 +65,7 @@ def _refuse(ref: ray.ObjectRef):
     raise _HoldsRef
 
 
+# (copyreg's table as the import found it: no type in these messages registers with copyreg)
 _REFUSE_REFS = {**copyreg.dispatch_table, ray.ObjectRef: _refuse}
 
 

@@ -129,9 +129,9 @@ class _ServeEngineClient(EngineClient):
             if running and call is not None:  # the request was given up: so is its call
                 watcher.cancel()
                 call.cancel()
-            # Every choice finished: the call ends on its own within a step, its watcher with it.
-            # Cancelling them would cancel a call all but done: a cancel message and its handling
-            # on both replicas, and a log line (Serve's), for a good share of requests.
+            # Every choice finished or was aborted: the call ends on its own within a step, its
+            # watcher with it. Cancelling them would cancel a call all but done: a cancel message
+            # and its handling on both replicas, and a log line (Serve's), for a good share of requests.
 
     def _migrate(self, request: EngineRequest, running: dict[str, list[SampledToken]], failure, attempt: int) -> None:
         if isinstance(failure, RequestRejected | EngineOverloaded):

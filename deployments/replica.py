@@ -23,7 +23,9 @@ from pegaserve.testing.hook import active_doubles
 log = logging.getLogger("ray.serve")
 STALL_S = 60.0  # work waiting and no step for this long: the replica is unhealthy
 # The engine replicas' logging: no access log line per call (the ingress logs each request; a line
-# per call cost ~8% of an engine replica's event loop). A deployment's `logging_config` overrides it.
+# per call cost ~8% of an engine replica's event loop). Serve gives a deployment the app's
+# `logging_config` only when it has none of its own, so to change these replicas' logging (a log
+# level, JSON), set `logging_config` on Prefill, Decode or Colocated in the config file itself.
 QUIET = LoggingConfig(enable_access_log=False)
 
 

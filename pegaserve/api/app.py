@@ -159,7 +159,7 @@ def _event(body: dict) -> bytes:
     try:
         data = orjson.dumps(body)
     except orjson.JSONEncodeError:
-        data = json.dumps(body).encode()
+        data = json.dumps(body, separators=(",", ":")).encode()
     return b"data: " + data + b"\n\n"
 
 
