@@ -1,15 +1,19 @@
 """The engine loop in a process of its own, as vLLM runs its engine core: the model's Python never
 waits for the GIL of the replica that serves it (its event loop, Ray's threads, serialization).
 
-The replica starts `python -m pegaserve.engine.core_process FD` with one end of a socket pair;
-messages are length-prefixed pickles (the two processes trust each other as a process trusts
-itself). The KV cache lives in a file in shared memory, mapped by both: the replica moves a
-handoff's blocks in and out of it directly, never through the engine loop, and a decode replica on
-the same node may map it too (the `shm` transport). The file is removed when the replica shuts
-down or the engine exits; one left by processes that were killed outright is removed by the next
-engine that starts on the node. The child exits when the socket closes (its replica died or shut
-down); the replica sees the child's exit as EOF and fails what was in flight (`EngineDead`), and
-its health check fails.
+The replica starts `python -m pegaserve.engine.core_process COMMANDS MESSAGES` with one end of
+each of two socket pairs: commands go down the first; answers, step outputs and health reports come
+up the second, read on the replica's event loop as they arrive (as vLLM's API server reads its
+engine core's outputs), with no thread of the replica in between. Messages are length-prefixed
+pickles (the two processes trust each other as a process trusts itself).
+
+The KV cache lives in a file in shared memory, mapped by both: the replica moves a handoff's blocks
+in and out of it directly, never through the engine loop, and a decode replica on the same node may
+map it too (the `shm` transport). The file is removed when the replica shuts down or the engine
+exits; one left by processes that were killed outright is removed by the next engine that starts on
+the node. The child exits when its command socket closes (its replica died or shut down); the
+replica sees the child's exit as EOF and fails what was in flight (`EngineDead`), and its health
+check fails.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from pegaserve.heap import freeze_startup_heap
 
 log = logging.getLogger(__name__)
 _HEADER = struct.Struct("!I")
+READ_BYTES = 1 << 16  # read at a time from the engine's messages (a step's outputs are a few KiB)
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 
 
@@ -149,19 +154,23 @@ class ProcessTransport(Transport):
     it is unlinked as soon as both have mapped it, so nothing outlives the two processes."""
 
     def __init__(self, spec: EngineSpec, start_timeout_s: float = 300.0) -> None:
-        parent, child = socket.socketpair()
-        self._sock = parent
+        commands, child_commands = socket.socketpair()
+        messages, child_messages = socket.socketpair()
+        self._sock = commands
+        self._messages = messages
         self._lock = threading.Lock()
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "pegaserve.engine.core_process", str(child.fileno())],
-            pass_fds=(child.fileno(),), env=env,
+            [sys.executable, "-m", "pegaserve.engine.core_process", str(child_commands.fileno()),
+             str(child_messages.fileno())],
+            pass_fds=(child_commands.fileno(), child_messages.fileno()), env=env,
         )  # fmt: skip
-        child.close()
-        _send(parent, spec, self._lock)
-        parent.settimeout(start_timeout_s)
-        ready = _recv(parent)
-        parent.settimeout(None)
+        child_commands.close()
+        child_messages.close()
+        _send(commands, spec, self._lock)
+        messages.settimeout(start_timeout_s)
+        ready = _recv(messages)
+        messages.setblocking(False)  # from now on read by the event loop, as messages arrive
         if not (isinstance(ready, tuple) and ready[0] == "ready"):
             self._process.kill()
             raise EngineDead(f"the engine process did not start: {ready!r}")
@@ -170,40 +179,78 @@ class ProcessTransport(Transport):
         self._health = Health(True, False, 0.0, 0, 0)
         self._health_at = time.monotonic()
         self._dead: BaseException | None = None
-        self._reader: threading.Thread | None = None
+        self._unread = bytearray()  # the start of a message not all arrived yet
+        self._wanted = 0  # that message's length, once known
+        self._ended = False
 
     def start(self, loop, settle, publish, dead) -> None:
+        self._deliver = (settle, publish, dead)
+        self.loop = loop
+        loop.add_reader(self._messages.fileno(), self._read)
+
+    def rebind(self, loop) -> None:
+        """Messages that came while no loop listened wait in the socket for the new one."""
+        if not self._ended:
+            if not self.loop.is_closed():
+                self.loop.remove_reader(self._messages.fileno())
+            loop.add_reader(self._messages.fileno(), self._read)
         self.loop = loop
 
-        def read() -> None:
-            while True:
-                try:
-                    message = _recv(self._sock)
-                except OSError:
-                    message = None
-                if message is None:
+    def _read(self) -> None:
+        """The engine's messages that arrived, each delivered at once on this (the event loop's) thread."""
+        try:
+            data = self._messages.recv(max(READ_BYTES, self._wanted - len(self._unread)))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._end()
+            return
+        if self._unread:  # the rest of a message begun before
+            self._unread += data
+            data = self._unread
+        start = 0
+        settle, publish, _ = self._deliver
+        with memoryview(data) as view:
+            while len(data) - start >= _HEADER.size:
+                end = start + _HEADER.size + _HEADER.unpack_from(data, start)[0]
+                if end > len(data):
                     break
-                kind, body = message
-                if kind == "health":
-                    self._health, self._health_at = body, time.monotonic()
-                    continue
+                kind, body = pickle.loads(view[start + _HEADER.size : end])
+                start = end
                 try:
                     if kind == "outputs":
-                        self.loop.call_soon_threadsafe(publish, body)
+                        publish(body)
                     elif kind == "answer":
-                        self.loop.call_soon_threadsafe(settle, *body)
-                except RuntimeError:  # the event loop closed; a new one rebinds
-                    log.warning("engine output for a closed event loop dropped")
+                        settle(*body)
+                    elif kind == "health":
+                        self._health, self._health_at = body, time.monotonic()
+                except Exception:  # one delivery's failure must not lose the messages after it
+                    log.exception("delivering the engine's %s failed", kind)
+        if data is self._unread:
+            del data[:start]
+        elif start < len(data):
+            self._unread = bytearray(data[start:])
+        self._wanted = _HEADER.size + _HEADER.unpack_from(self._unread)[0] if len(self._unread) >= _HEADER.size else 0
+
+    def _end(self) -> None:
+        """The engine closed its side: it is exiting. Everything waiting fails once it has."""
+        self._ended = True
+        self.loop.remove_reader(self._messages.fileno())
+        self._messages.close()
+        loop, dead = self.loop, self._deliver[2]
+
+        def wait() -> None:
             code = self._process.wait()
             self._dead = EngineDead(f"the engine process exited with code {code}")
             log.error("%s", self._dead)
             try:
-                self.loop.call_soon_threadsafe(dead, self._dead)
-            except RuntimeError:
+                loop.call_soon_threadsafe(dead, self._dead)
+            except RuntimeError:  # the event loop closed meanwhile
                 pass
 
-        self._reader = threading.Thread(target=read, name="pegaserve-engine-reader", daemon=True)
-        self._reader.start()
+        threading.Thread(target=wait, name="pegaserve-engine-exit", daemon=True).start()
 
     def send(self, key: int | None, command: Command) -> None:
         if self._dead is not None:
@@ -234,7 +281,7 @@ class ProcessTransport(Transport):
 
     def shutdown(self) -> None:
         try:
-            self._sock.close()
+            self._sock.close()  # the engine exits; its messages socket closes with it
             Path(self._kv_file).unlink(missing_ok=True)  # mappings outlive the name
         finally:
             try:
@@ -246,8 +293,9 @@ class ProcessTransport(Transport):
 # --- the child's side ----------------------------------------------------------------------------
 
 
-def _child_main(fd: int) -> None:
-    sock = socket.socket(fileno=fd)
+def _child_main(commands_fd: int, messages_fd: int) -> None:
+    sock = socket.socket(fileno=commands_fd)
+    messages = socket.socket(fileno=messages_fd)
     lock = threading.Lock()
     spec = _recv(sock)
     torch.set_num_threads(spec.torch_threads)
@@ -255,11 +303,11 @@ def _child_main(fd: int) -> None:
         engine = build_engine(spec)
         shared = _share(engine)
     except Exception as exc:
-        _send(sock, ("failed", f"{type(exc).__name__}: {exc}"), lock)
+        _send(messages, ("failed", f"{type(exc).__name__}: {exc}"), lock)
         raise
     core = EngineCore(engine)
     freeze_startup_heap()
-    _send(sock, ("ready", *shared), lock)
+    _send(messages, ("ready", *shared), lock)
     closed = threading.Event()
     last_report = [0.0]
 
@@ -279,19 +327,19 @@ def _child_main(fd: int) -> None:
         now = time.monotonic()
         if now - last_report[0] >= 1.0:
             last_report[0] = now
-            _send(sock, ("health", core.health()), lock)
+            _send(messages, ("health", core.health()), lock)
         return commands
 
     def answer(key, result, error) -> None:
         if key is None:
             return
         try:
-            _send(sock, ("answer", (key, result, error)), lock)
+            _send(messages, ("answer", (key, result, error)), lock)
         except (pickle.PicklingError, TypeError, AttributeError):  # an answer that cannot travel
-            _send(sock, ("answer", (key, None, RuntimeError(f"{type(error or result).__name__}: {error}"))), lock)
+            _send(messages, ("answer", (key, None, RuntimeError(f"{type(error or result).__name__}: {error}"))), lock)
 
     def publish(outputs) -> None:
-        _send(sock, ("outputs", outputs), lock)
+        _send(messages, ("outputs", outputs), lock)
 
     try:
         run_loop(core, next_commands, answer, publish, closed.is_set)
@@ -303,4 +351,4 @@ def _child_main(fd: int) -> None:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(message)s")
-    _child_main(int(sys.argv[1]))
+    _child_main(int(sys.argv[1]), int(sys.argv[2]))

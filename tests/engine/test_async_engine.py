@@ -165,3 +165,22 @@ def test_one_engine_serves_one_event_loop_after_another(tiny_model_dir):
         assert token_ids(outputs) == [64] * 3
     assert engine.health().alive
     engine.shutdown()
+
+
+def test_the_engine_process_delivers_to_one_event_loop_after_another(tiny_model_dir):
+    """Its messages are read on the event loop: each new loop takes over the reading, and a message
+    longer than one read (here ~0.5 MiB of prompt logprobs) arrives whole."""
+    spec = EngineSpec(str(tiny_model_dir), EngineConfig(num_blocks=512, max_num_batched_tokens=4096),
+                      builder="pegaserve.testing.scripted:build_from_spec", builder_args=({},))
+    engine = AsyncEngine(ProcessTransport(spec))
+    for i in range(3):  # each asyncio.run closes its loop; the engine delivers to the next one
+        outputs = asyncio.run(collect(engine, greedy_request(f"r{i}", [1, 2], 3)))
+        assert token_ids(outputs) == [64] * 3
+    prompt = [1 + i % 1000 for i in range(4000)]
+    scored = dataclasses.replace(greedy_request("long", prompt, 2), num_prompt_logprobs=5)
+    outputs = asyncio.run(collect(engine, scored))
+    assert token_ids(outputs) == [64] * 2
+    assert len(outputs[0].prompt_logprobs) == len(prompt) and outputs[0].prompt_logprobs[0] is None
+    assert all(len(score.top_logprobs) == 5 for score in outputs[0].prompt_logprobs[1:])
+    assert engine.health().alive
+    engine.shutdown()
