@@ -156,7 +156,7 @@ class ProcessTransport(Transport):
     def __init__(self, spec: EngineSpec, start_timeout_s: float = 300.0) -> None:
         commands, child_commands = socket.socketpair()
         messages, child_messages = socket.socketpair()
-        self._sock = commands
+        self._commands = commands
         self._messages = messages
         self._lock = threading.Lock()
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -256,7 +256,7 @@ class ProcessTransport(Transport):
         if self._dead is not None:
             raise self._dead
         try:
-            _send(self._sock, (key, command), self._lock)
+            _send(self._commands, (key, command), self._lock)
         except OSError as exc:
             raise EngineDead(f"the engine process is gone: {exc}") from exc
 
@@ -281,7 +281,7 @@ class ProcessTransport(Transport):
 
     def shutdown(self) -> None:
         try:
-            self._sock.close()  # the engine exits; its messages socket closes with it
+            self._commands.close()  # the engine exits; its messages socket closes with it
             Path(self._kv_file).unlink(missing_ok=True)  # mappings outlive the name
         finally:
             try:
@@ -294,10 +294,10 @@ class ProcessTransport(Transport):
 
 
 def _child_main(commands_fd: int, messages_fd: int) -> None:
-    sock = socket.socket(fileno=commands_fd)
+    commands = socket.socket(fileno=commands_fd)
     messages = socket.socket(fileno=messages_fd)
     lock = threading.Lock()
-    spec = _recv(sock)
+    spec = _recv(commands)
     torch.set_num_threads(spec.torch_threads)
     try:
         engine = build_engine(spec)
@@ -312,23 +312,23 @@ def _child_main(commands_fd: int, messages_fd: int) -> None:
     last_report = [0.0]
 
     def next_commands(block: bool) -> list:
-        commands = []
+        received = []
         timeout = 0.05 if block else 0.0
         while True:
-            readable, _, _ = select.select([sock], [], [], timeout)
+            readable, _, _ = select.select([commands], [], [], timeout)
             if not readable:
                 break
-            message = _recv(sock)
+            message = _recv(commands)
             if message is None:
                 closed.set()
                 break
-            commands.append(message)
+            received.append(message)
             timeout = 0.0
         now = time.monotonic()
         if now - last_report[0] >= 1.0:
             last_report[0] = now
             _send(messages, ("health", core.health()), lock)
-        return commands
+        return received
 
     def answer(key, result, error) -> None:
         if key is None:
