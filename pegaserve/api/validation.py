@@ -151,7 +151,7 @@ def plan_prompt(
         num_prompt_logprobs = max(num_prompt_logprobs or 0, num_top_logprobs)
     return PromptPlan(
         prompt_token_ids=prompt_ids,
-        sampling=_sampling(body, num_top_logprobs or 0, model, limits),
+        sampling=_sampling(body, num_top_logprobs, model, limits),
         policy=policy,
         stops=StopStrings(_stop_strings(body, limits), body.include_stop_str_in_output),
         skip_special_tokens=body.skip_special_tokens,
@@ -182,7 +182,7 @@ def _policy(body: SamplingFields, prompt_ids: tuple[int, ...], model: ModelInfo,
                       ignore_eos=body.ignore_eos, min_tokens=body.min_tokens)
 
 
-def _sampling(body: SamplingFields, num_top_logprobs: int, model: ModelInfo, limits: Limits) -> SamplingParams:
+def _sampling(body: SamplingFields, num_top_logprobs: int | None, model: ModelInfo, limits: Limits) -> SamplingParams:
     _check_range("temperature", body.temperature, 0.0, 2.0)
     _check_range("top_p", body.top_p, 0.0, 1.0, open_low=True)
     _check_range("min_p", body.min_p, 0.0, 1.0)

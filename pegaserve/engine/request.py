@@ -28,7 +28,9 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0: disabled
     seed: int | None = None
-    num_top_logprobs: int = 0  # top-N alternatives returned per token; the sampled logprob always is
+    # top-N alternatives returned per token with the sampled token's own logprob; None: no logprobs,
+    # and none computed past a choice's first token (whose logprob the handoff and the ledger carry)
+    num_top_logprobs: int | None = None
     min_p: float = 0.0  # drop tokens whose probability is below min_p * the best one's
     presence_penalty: float = 0.0  # OpenAI: subtracted once from every token the output holds
     frequency_penalty: float = 0.0  # OpenAI: subtracted once per occurrence in the output
@@ -76,7 +78,7 @@ class EngineRequest:
 @dataclass(frozen=True)
 class SampledToken:
     token_id: int
-    logprob: float
+    logprob: float | None  # None where not wanted (sampler.SamplingRow.wants_logprob): not computed
     top_logprobs: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first
 
 

@@ -94,8 +94,9 @@ def _sample_plain(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[Sam
     chosen = logits.gather(1, token_ids[:, None])[:, 0] - normalizers
     # one transfer for both: token ids are exact in float64
     pairs = torch.stack((token_ids.double(), chosen.double()), 1).tolist()
-    tops = _top_logprobs(logits, normalizers, [row.params.num_top_logprobs for row in rows])
-    return [SampledToken(int(t), lp, top) for (t, lp), top in zip(pairs, tops)]
+    tops = _top_logprobs(logits, normalizers, [row.params.num_top_logprobs or 0 for row in rows])
+    return [SampledToken(int(t), lp if row.wants_logprob else None, top)
+            for (t, lp), top, row in zip(pairs, tops, rows)]
 
 
 def _draw(source: torch.Tensor, argmax: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

@@ -172,3 +172,26 @@ def test_completion_top_logprobs_hold_the_sampled_token_even_at_0(server, stream
         for token, value, top in zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"]):
             assert top[token] == value and top_n <= len(top) <= top_n + 1, (top_n, token, top)
             assert list(top.values())[:top_n] == sorted(top.values(), reverse=True)[:top_n]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_every_generated_token_carries_its_logprob_when_asked(server, hf, path):
+    # the engine computes a decode token's logprob only when the request asks for logprobs: asked
+    # for with no alternatives (completions' logprobs=0, chat's logprobs=true), each one is there
+    # and is the reference's log-softmax at its position
+    chat = path.endswith("chat/completions")
+    if chat:
+        asked = {"messages": [{"role": "user", "content": "hello"}], "logprobs": True}
+    else:
+        asked = {"prompt": PROMPT, "logprobs": 0}
+    body = post(server, path, max_tokens=6, ignore_eos=True, temperature=0, return_token_ids=True, **asked).json()
+    (choice,) = body["choices"]
+    if chat:
+        logprobs = [entry["logprob"] for entry in choice["logprobs"]["content"]]
+    else:
+        logprobs = choice["logprobs"]["token_logprobs"]
+    prompt = body["prompt_token_ids"] if chat else PROMPT
+    with torch.inference_mode():
+        logits = hf(input_ids=torch.tensor([prompt + choice["token_ids"]])).logits[0].double()
+    expected = torch.log_softmax(logits, -1)[len(prompt) - 1 : -1].gather(1, torch.tensor(choice["token_ids"])[:, None])
+    assert len(logprobs) == 6 and logprobs == pytest.approx(expected[:, 0].tolist(), **CLOSE)

@@ -9,6 +9,7 @@ state the engine is in.
 """
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -154,7 +155,7 @@ def test_logprobs_are_the_log_softmax_of_the_raw_logits(rows):
     expected = torch.log_softmax(logits.double(), dim=-1)
     for i, token in enumerate(sample(logits, rows)):
         assert token.logprob == pytest.approx(expected[i, token.token_id].item(), abs=1e-4)
-        n = rows[i].params.num_top_logprobs
+        n = rows[i].params.num_top_logprobs or 0
         values, ids = torch.topk(expected[i], n)
         assert [t for t, _ in token.top_logprobs] == ids.tolist()
         assert [lp for _, lp in token.top_logprobs] == pytest.approx(values.tolist(), abs=1e-4)
@@ -188,6 +189,28 @@ def test_logprob_of_a_masked_row_is_still_the_raw_one():
     (token,) = sample(logits, [row(temperature=0.0, masked=frozenset({4}))])
     assert token.token_id == 6
     assert token.logprob == pytest.approx(3.0 - math.log(math.exp(5.0) + math.exp(3.0) + 8), abs=1e-5)
+
+
+def test_logprobs_not_asked_for_are_skipped_past_the_first_token_and_change_no_token():
+    logits = random_logits(8, vocab=151936, scale=4.0, seed=11)
+    asked = [
+        row(5, temperature=0.0),
+        row(0, temperature=0.0),  # a choice's first token: the handoff and the ledger carry its logprob
+        row(5, seed=1),  # a plain temperature-1 draw finds the masses anyway, and reuses them
+        row(5, seed=2, temperature=0.7),
+        row(5, seed=3, top_p=0.8),
+        row(5, temperature=0.0, masked=frozenset({0, 1})),
+        row(5, seed=4, presence_penalty=0.5, output=(3, 4)),
+        row(5, temperature=0.0, num_top_logprobs=2),
+    ]
+    unasked = [replace(r, params=replace(r.params, num_top_logprobs=None)) for r in asked[:-1]]
+    full, lean = sample(logits, asked), sample(logits, [*unasked, asked[-1]])
+    assert [t.token_id for t in lean] == [t.token_id for t in full]
+    logprobs = [None, full[1].logprob, None, None, None, None, None, full[7].logprob]
+    assert [t.logprob for t in lean] == logprobs
+    assert lean[7].top_logprobs == full[7].top_logprobs and all(t.top_logprobs == () for t in lean[:7])
+    greedy_decode = sample(logits, [unasked[0]] * 8)  # the serving fast path: no masses at all
+    assert [(t.token_id, t.logprob) for t in greedy_decode] == [(i, None) for i in argmax_rows(logits).tolist()]
 
 
 # --- greedy -----------------------------------------------------------------------------------------
