@@ -34,9 +34,11 @@ def on_each_kernel_build(fallback: str):
     return mark
 
 
-def greedy_request(request_id: str, prompt: list[int], max_tokens: int, **policy) -> EngineRequest:
+def greedy_request(request_id: str, prompt: list[int], max_tokens: int, *, num_top_logprobs: int | None = None,
+                   **policy) -> EngineRequest:
     policy = {"eos_token_ids": EOS_IDS, "ignore_eos": True, **policy}
-    return EngineRequest(request_id, tuple(prompt), SamplingParams(temperature=0.0), StopPolicy(max_tokens, **policy))
+    sampling = SamplingParams(temperature=0.0, num_top_logprobs=num_top_logprobs)
+    return EngineRequest(request_id, tuple(prompt), sampling, StopPolicy(max_tokens, **policy))
 
 
 def run_to_completion(engine: Engine, max_steps: int = 10_000) -> dict[str, list[StepOutput]]:

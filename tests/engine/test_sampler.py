@@ -193,7 +193,7 @@ def test_logprob_of_a_masked_row_is_still_the_raw_one():
 
 def test_logprobs_not_asked_for_are_skipped_past_the_first_token_and_change_no_token():
     logits = random_logits(8, vocab=151936, scale=4.0, seed=11)
-    asked = [
+    unasked = [  # no logprobs asked for: the default
         row(5, temperature=0.0),
         row(0, temperature=0.0),  # a choice's first token: the handoff and the ledger carry its logprob
         row(5, seed=1),  # a plain temperature-1 draw finds the masses anyway, and reuses them
@@ -201,10 +201,10 @@ def test_logprobs_not_asked_for_are_skipped_past_the_first_token_and_change_no_t
         row(5, seed=3, top_p=0.8),
         row(5, temperature=0.0, masked=frozenset({0, 1})),
         row(5, seed=4, presence_penalty=0.5, output=(3, 4)),
-        row(5, temperature=0.0, num_top_logprobs=2),
     ]
-    unasked = [replace(r, params=replace(r.params, num_top_logprobs=None)) for r in asked[:-1]]
-    full, lean = sample(logits, asked), sample(logits, [*unasked, asked[-1]])
+    asked = [replace(r, params=replace(r.params, num_top_logprobs=0)) for r in unasked]
+    top_two = row(5, temperature=0.0, num_top_logprobs=2)
+    full, lean = sample(logits, [*asked, top_two]), sample(logits, [*unasked, top_two])
     assert [t.token_id for t in lean] == [t.token_id for t in full]
     logprobs = [None, full[1].logprob, None, None, None, None, None, full[7].logprob]
     assert [t.logprob for t in lean] == logprobs
