@@ -1,6 +1,7 @@
 """LM head benchmark: the AVX-512 kernel (`pegaserve/engine/lm_head.py`) against oneDNN's prepacked
 linear and a plain `torch.nn.functional.linear`, one thread, fp32, on the default model's head
-(151936 x 256), and the decode step of the engine at batch 16 with either head.
+(151936 x 256), with the greedy head's screened argmax (`GreedyHead`: its tokens, where the others
+give logits), and the greedy decode step of the engine at batch 16 with each.
 
 Microbenchmark: each head called for M rows; best of `--repeats` calls after a warm-up, in rounds
 of one call per head. Each call allocates its output, as the
@@ -35,13 +36,15 @@ def timed_ms(fn: Callable[[], object]) -> float:
 
 def microbenchmark(weight: torch.Tensor, repeats: int) -> None:
     from pegaserve.engine import cpu_kernels  # noqa: PLC0415 - keep --help fast
-    from pegaserve.engine.lm_head import CpuLogits  # noqa: PLC0415
+    from pegaserve.engine.lm_head import CpuLogits, GreedyHead  # noqa: PLC0415
 
     start = time.perf_counter()
     kernel = CpuLogits(weight)
     built_s = time.perf_counter() - start
     print(f"kernel head built and packed in {built_s:.2f} s (kernel: {kernel.uses_kernel}, {cpu_kernels.isa()})")
     heads = {"kernel": kernel, "onednn": CpuLogits(weight, allow_kernel=False), "linear": lambda h: F.linear(h, weight)}
+    if GreedyHead.supports(kernel):
+        heads["greedy"] = GreedyHead(kernel)
     print(f"{'rows':>5} " + " ".join(f"{name + ' ms':>10}" for name in heads) + f" {'vs onednn':>10}")
     for num_tokens in ROW_COUNTS:
         hidden = torch.randn(num_tokens, weight.shape[1])
@@ -56,13 +59,16 @@ def microbenchmark(weight: torch.Tensor, repeats: int) -> None:
 
 
 def decode_steps(engine, num_steps: int) -> None:
-    from pegaserve.engine.lm_head import CpuLogits  # noqa: PLC0415
+    from pegaserve.engine.lm_head import CpuLogits, GreedyHead  # noqa: PLC0415
     from pegaserve.engine.request import EngineRequest, SamplingParams  # noqa: PLC0415
     from pegaserve.stop import StopPolicy  # noqa: PLC0415
 
     model = engine.runner.model
     weight = model.lm_head.weight
-    heads = {"kernel": CpuLogits(weight), "onednn": CpuLogits(weight, allow_kernel=False)}
+    kernel = CpuLogits(weight)
+    heads = {"kernel": (kernel, None), "onednn": (CpuLogits(weight, allow_kernel=False), None)}
+    if GreedyHead.supports(kernel):
+        heads["greedy"] = (kernel, GreedyHead(kernel))
     policy = StopPolicy(2 * num_steps + 8, eos_token_ids=engine.model_config.eos_token_ids, ignore_eos=True)
     generator = torch.Generator().manual_seed(0)
     for i in range(DECODE_BATCH):
@@ -72,15 +78,15 @@ def decode_steps(engine, num_steps: int) -> None:
         engine.step()
     times: dict[str, list[float]] = {name: [] for name in heads}
     for _ in range(num_steps):
-        for name, head in heads.items():
-            model._cpu_logits = head  # the model keeps a head built from this same weight
+        for name, (head, greedy) in heads.items():
+            model._cpu_logits, model._greedy_head = head, greedy  # the model keeps heads built from this weight
             start = time.perf_counter()
             engine.step()
             times[name].append((time.perf_counter() - start) * 1e3)
-    model._cpu_logits = heads["kernel"]
-    kernel_ms, onednn_ms = (statistics.median(times[name]) for name in heads)
-    print(f"decode step at batch {DECODE_BATCH}: kernel {kernel_ms:.2f} ms, onednn {onednn_ms:.2f} ms (medians of "
-          f"{num_steps}; {100 * (1 - kernel_ms / onednn_ms):.0f}% less)")  # fmt: skip
+    model._cpu_logits, model._greedy_head = heads.get("greedy", heads["kernel"])
+    medians = {name: statistics.median(found) for name, found in times.items()}
+    steps = ", ".join(f"{name} {ms:.2f} ms ({ms / medians['onednn']:.2f}x onednn's)" for name, ms in medians.items())
+    print(f"greedy decode step at batch {DECODE_BATCH}, medians of {num_steps}: {steps}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,6 +1,6 @@
 """The engine's CPU kernels (`csrc/*.cpp`): compiled on first use with the system C++ compiler, in
-about a second each, for the widest instruction set this CPU has of AVX-512 F/BW/VL and AVX2 + FMA
-(`csrc/simd.h` words them for both), and loaded with ctypes (which releases the GIL during a call).
+about a second each, for the widest instruction set this CPU has of AVX-512 F/BW/VL and AVX2 + FMA +
+F16C (`csrc/simd.h` words them for both), and loaded with ctypes (which releases the GIL during a call).
 
 They are plain C ABI: no torch headers, no ninja. A build lives in
 `~/.cache/pegaserve/<name>/<hash of source, compiler and flags>/`; each build writes a private file
@@ -30,10 +30,10 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 ISA_FLAGS = {  # instruction set -> what the compiler is told; the first this CPU has is used
     "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"),
-    "avx2": ("-mavx2", "-mfma"),
+    "avx2": ("-mavx2", "-mfma", "-mf16c"),
 }
 ISA_NAMES = {"avx512": "AVX-512", "avx2": "AVX2"}
-_ISA_CPU_FLAGS = {"avx512": ("avx512_f", "avx512_bw", "avx512_vl", "fma3"), "avx2": ("avx2", "fma3")}
+_ISA_CPU_FLAGS = {"avx512": ("avx512_f", "avx512_bw", "avx512_vl", "fma3"), "avx2": ("avx2", "fma3", "f16c")}
 _TORCH_LEVELS = {"avx512": ("AVX512",), "avx2": ("AVX512", "AVX2")}
 CXX_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread")
 BUILD_TIMEOUT_S = 120.0
@@ -93,7 +93,7 @@ def load(name: str, label: str, fallback: str, declare: Callable[[ctypes.CDLL], 
     """`csrc/<name>.cpp` built and loaded, its functions typed by `declare`; None where it cannot
     run, logged with the kernel's `label` and the `fallback` used instead."""
     if isa() is None:
-        log.info("%s: this CPU has neither AVX-512 nor AVX2 with FMA; using %s", label, fallback)
+        log.info("%s: this CPU has neither AVX-512 nor AVX2 with FMA and F16C; using %s", label, fallback)
         return None
     try:
         library = ctypes.CDLL(str(build(name)))

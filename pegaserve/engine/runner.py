@@ -13,6 +13,8 @@ from collections.abc import Iterator
 import torch
 
 from pegaserve.engine.attention import AttentionBatch
+from pegaserve.engine.request import SampledToken
+from pegaserve.engine.sampler import argmax_only
 from pegaserve.engine.sampling_device import sample_on_device, score_on_device
 from pegaserve.engine.scheduler_output import RunnerOutput, SchedulerOutput
 
@@ -59,7 +61,9 @@ class ModelRunner:
         return input_ids.to(self.device), positions.to(self.device), attn
 
     def _sample(self, hidden: torch.Tensor, output: SchedulerOutput, attn: AttentionBatch):
-        """Logits at every sampled position (once per position, however many rows share it)."""
+        """Logits at every sampled position (once per position, however many rows share it); where
+        every row takes the raw argmax alone (`sampler.argmax_only`), the model's `greedy_tokens`,
+        if it has them, finds the tokens without the logits."""
         flat: list[int] = []  # rows of `hidden` to put through the LM head
         row_of: list[int] = []  # per sampling row: its row of `logits`
         rows = []
@@ -71,11 +75,18 @@ class ModelRunner:
                 rows.append(sample_at.row)
         if not rows:
             return tuple(() for _ in output.requests)
-        index = torch.tensor(flat, device=hidden.device)
-        logits = self.model.compute_logits(hidden.index_select(0, index)).float()  # [num_positions, vocab]
-        if len(flat) != len(rows):
-            logits = logits[torch.tensor(row_of, device=logits.device)]
-        tokens = iter(sample_on_device(logits, rows))  # on a GPU, only the rows that need the CPU leave it
+        picked = hidden.index_select(0, torch.tensor(flat, device=hidden.device))  # [num_positions, hidden]
+        greedy = getattr(self.model, "greedy_tokens", None) if all(map(argmax_only, rows)) else None
+        found = greedy(picked) if greedy is not None else None
+        if found is not None:
+            ids = found.tolist()
+            sampled = [SampledToken(ids[i], None) for i in row_of]
+        else:
+            logits = self.model.compute_logits(picked).float()  # [num_positions, vocab]
+            if len(flat) != len(rows):
+                logits = logits[torch.tensor(row_of, device=logits.device)]
+            sampled = sample_on_device(logits, rows)  # on a GPU, only the rows that need the CPU leave it
+        tokens = iter(sampled)
         return tuple(tuple(itertools.islice(tokens, len(r.samples))) for r in output.requests)
 
     def _score(self, hidden: torch.Tensor, output: SchedulerOutput, attn: AttentionBatch):

@@ -82,6 +82,12 @@ class SamplingRow:
         return self.params.num_top_logprobs is not None or self.num_output_tokens == 0
 
 
+def argmax_only(row: SamplingRow) -> bool:
+    """Whether the row's token is the raw logits' argmax and nothing else is read of them: greedy,
+    no processing, no logprob wanted. `sample` gives it `SampledToken(argmax, None)`."""
+    return row.params.greedy and not row.edited and not row.wants_logprob
+
+
 @dataclass(frozen=True)
 class TokenScore:
     """A given token under one row of logits (prompt logprobs, echo)."""

@@ -19,7 +19,7 @@ EOS_IDS = frozenset({151645, 151643})
 def kernel_marks(fallback: str) -> list:
     """A CPU kernel's tests: skipped where no kernel runs (`fallback` says what runs instead), else
     once per instruction set this CPU has (the `kernel_isa` fixture, conftest.py)."""
-    reason = f"this CPU has neither AVX-512 nor AVX2 with FMA: the kernel cannot run ({fallback})"
+    reason = f"this CPU has neither AVX-512 nor AVX2 with FMA and F16C: the kernel cannot run ({fallback})"
     return [pytest.mark.skipif(cpu_kernels.isa() is None, reason=reason), pytest.mark.usefixtures("kernel_isa")]
 
 

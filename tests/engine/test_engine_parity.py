@@ -5,6 +5,7 @@ import torch
 from transformers import Qwen3ForCausalLM
 
 from pegaserve.engine.build import load_engine
+from pegaserve.engine import lm_head
 from pegaserve.engine.engine import EngineConfig
 from tests.engine.helpers import PROMPTS, greedy_request, run_to_completion, token_ids
 
@@ -36,3 +37,25 @@ def test_batched_greedy_equals_transformers(tiny_model_dir, reference_tokens):
         assert token_ids(outputs[f"r{i}"]) == reference_tokens[i], f"prompt {i}"
     engine.pool.check_conservation()
     assert engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
+@pytest.mark.parametrize("logprobs", [None, 0])
+def test_decode_steps_of_argmax_rows_take_the_greedy_head(tiny_model_dir, reference_tokens, monkeypatch, logprobs):
+    """Steps whose every row wants the argmax alone find it with the model's greedy head (lm_head.py's
+    screened fp16 copy, where the kernel runs), the same tokens; a row that wants its logprob keeps
+    its step on the full logits."""
+    engine = load_engine(tiny_model_dir, EngineConfig(num_blocks=256, block_size=16), attention_backend="sdpa")
+    model, found = engine.runner.model, []
+    greedy_tokens = model.greedy_tokens
+    monkeypatch.setattr(model, "greedy_tokens", lambda hidden: found.append(greedy_tokens(hidden)) or found[-1])
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(greedy_request(f"r{i}", prompt, NEW_TOKENS, num_top_logprobs=logprobs))
+    outputs = run_to_completion(engine)
+
+    assert [token_ids(outputs[f"r{i}"]) for i in range(len(PROMPTS))] == reference_tokens
+    if logprobs is not None:
+        assert not found
+        assert all(t.logprob is not None for out in outputs.values() for o in out for t in o.tokens)
+    else:
+        assert len(found) >= NEW_TOKENS - 1  # every decode step (the first token's logprob is always found)
+        assert all(f is not None for f in found) == lm_head.has_kernel()

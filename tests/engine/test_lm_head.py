@@ -12,7 +12,7 @@ import torch
 
 from pegaserve.engine import cpu_kernels, lm_head
 from pegaserve.engine.attention import SdpaBackend
-from pegaserve.engine.lm_head import CpuLogits, lm_head_reference
+from pegaserve.engine.lm_head import CpuLogits, GreedyHead, lm_head_reference
 from pegaserve.engine.model_config import ModelConfig
 from pegaserve.engine.qwen3 import Qwen3ForCausalLM
 from tests.engine.helpers import on_each_kernel_build
@@ -113,6 +113,107 @@ def test_no_rows_and_strided_rows():
     torch.testing.assert_close(head(strided), head(strided.contiguous()), rtol=0, atol=0)
 
 
+def _screened_and_full(weight: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    head = CpuLogits(weight)
+    return GreedyHead(head)(hidden), head(hidden).argmax(-1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("num_rows, hidden_size", [*SHAPES, (97, 600), (5, 1), (48, 512), (20_000, 256)])
+@pytest.mark.parametrize("num_tokens", [1, 3, 9, 16, 17])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_greedy_head_is_the_full_heads_argmax(num_rows, hidden_size, num_tokens, threads):
+    """Every shape of the kernel's tests (a vocab tail, a hidden size past one chunk of 512, less than
+    a group), one thread and two: the token of the fp32 logits, not of the fp16 copy."""
+    weight, hidden = _weight_and_hidden(num_rows, hidden_size, num_tokens, seed=num_tokens)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        screened, full = _screened_and_full(weight, hidden)
+    finally:
+        torch.set_num_threads(before)
+    assert screened.dtype == torch.int64 and torch.equal(screened, full)
+
+
+@needs_kernel
+def test_greedy_head_settles_what_the_fp16_copy_cannot_tell_apart():
+    """Entries whose fp16 copies are equal but whose fp32 logits differ in the last bits, and exact
+    ties: the best fp32 logit wins, the first of equal ones; a screen with more candidates than it
+    keeps falls back to the full logits, with the same answer."""
+    generator = torch.Generator().manual_seed(7)
+    weight = torch.randn(3000, 256, generator=generator) * 0.05
+    hidden = torch.randn(6, 256, generator=generator)
+    best = hidden[0] / hidden[0].norm()
+    weight[100:400] = best  # 300 entries at the top for row 0, more than a screen keeps
+    weight[100:400, 0] += torch.arange(300) * 2.0**-30  # fp32 steps the fp16 copy rounds away
+    weight[2000] = weight[1000] = hidden[1] / hidden[1].norm()  # an exact tie for row 1
+    weight[2500] = weight[1500] = weight[1000] * (1 + 2.0**-20)  # a hair above it, tied too
+    assert torch.equal(weight[100:400].half(), weight[100:101].half().expand(300, -1))
+
+    screened, full = _screened_and_full(weight, hidden)
+
+    assert torch.equal(screened, full)
+    assert screened[1] == 1500
+
+
+@needs_kernel
+def test_greedy_head_keeps_the_best_fp32_logit_that_its_fp16_copy_ranks_below_another():
+    """The worst case of the bound: `best`'s fp32 weight sits just under each of its fp16 roundings,
+    along the hidden state, so its fp16 logit falls short of its fp32 one by nearly the bound, while
+    `other` is exact in fp16 and ranks above `best` there but below it in fp32. Only the upper bound
+    (fp16 logit + bound) keeps `best` among the candidates."""
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.rand(1, 256, generator=generator) + 0.5  # all positive: along the residuals
+    x = hidden[0].double()
+    h = (0.02 * hidden[0]).half().float()  # best's fp16 copy
+    ulp = torch.nextafter(h.half(), torch.tensor(1.0).half()).float() - h
+    best, other = h + 0.8 * ulp / 2, h.clone()  # best rounds back to h; other is h itself
+    gap = float(x @ (best.double() - h.double()))  # best's fp32 logit above its fp16 one
+    for k in range(256):  # other one fp16 step up per coordinate until it leads by half the gap
+        if float(x @ (other.double() - h.double())) >= gap / 2:
+            break
+        other[k] += ulp[k]
+    weight = torch.randn(50, 256, generator=generator) * 0.01
+    weight[10], weight[40] = best, other
+    assert torch.equal(weight[10].half().float(), h) and torch.equal(weight[40].half().float(), other)
+    bound = float(hidden[0].norm()) * float(lm_head._screen_bounds(other[None], other[None].half())[0])
+    assert float(x @ (other.double() - h.double())) > bound  # other's lower bound is above best's fp16 logit
+
+    screened, full = _screened_and_full(weight, hidden)
+
+    assert full.tolist() == [10] and screened.tolist() == [10]
+
+
+@needs_kernel
+def test_greedy_head_falls_back_where_the_bound_does_not_hold():
+    """A zero row (no error scale), a NaN and an inf in the hidden state: the full logits decide, NaN
+    counting as the max as in torch.argmax."""
+    weight, hidden = _weight_and_hidden(1000, 64, 5)
+    hidden[0] = 0.0
+    hidden[1, 3] = float("nan")
+    hidden[2, 5] = float("inf")
+    hidden[3] = 1e-12
+
+    screened, full = _screened_and_full(weight, hidden)
+
+    assert torch.equal(screened, full)
+    assert screened[0] == 0  # all logits 0: the first
+
+
+def test_greedy_head_needs_the_kernel_and_a_weight_fp16_can_hold():
+    weight, _ = _weight_and_hidden(100, 64, 1)
+    assert not GreedyHead.supports(CpuLogits(weight, allow_kernel=False))
+    if cpu_kernels.isa() is None:
+        return
+    assert GreedyHead.supports(CpuLogits(weight))
+    weight[7, 7] = 70_000.0  # past fp16's largest finite value
+    assert not GreedyHead.supports(CpuLogits(weight))
+    with pytest.raises(ValueError, match="fp16"):
+        GreedyHead(CpuLogits(weight))
+    with pytest.raises(ValueError, match=r"\[rows, 64\]"):
+        GreedyHead(CpuLogits(weight * 0))(torch.randn(2, 32))
+
+
 def test_wrong_hidden_size_and_unsupported_weight_raise():
     weight, hidden = _weight_and_hidden(100, 128, 2)
     with pytest.raises(ValueError, match=r"\[rows, 128\]"):
@@ -173,3 +274,9 @@ def test_model_rebuilds_the_head_when_the_tied_weight_is_replaced():
 
     torch.testing.assert_close(model.compute_logits(hidden), hidden @ model.model.embed_tokens.weight.T)
     assert model._cpu_logits.uses_kernel == (cpu_kernels.isa() is not None)
+    greedy = model.greedy_tokens(hidden)
+    if cpu_kernels.isa() is None:
+        assert greedy is None
+    else:
+        assert torch.equal(greedy, model.compute_logits(hidden).argmax(-1))
+        assert model._greedy_head.logits is model._cpu_logits  # rebuilt with it

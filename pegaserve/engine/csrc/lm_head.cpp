@@ -8,9 +8,17 @@
 // output is an fp32 FMA chain over k in order, per chunk of kChunk, the chunks then added in order:
 // the error of a plain fp32 dot product, like oneDNN's.
 //
+// The screened argmax (pegaserve_lm_head_argmax) finds each row's greedy token as the argmax of
+// exactly those logits, reading an fp16 copy of the weight packed the same way: half the bytes,
+// where the fp32 head streams its weight at the memory's rate. Each entry's logit from the fp16
+// copy is within a proven bound of the fp32 one; the entries whose upper bound reaches the row's
+// best lower bound are the candidates, and only their fp32 logits are computed, each the same
+// float the full kernel gives (lm_head.py derives the bound).
+//
 // Plain C ABI (loaded with ctypes), so that it builds in a second with no torch headers and no ninja.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <system_error>
 #include <thread>
@@ -122,6 +130,211 @@ void run_groups(const float* hidden, int64_t m, int64_t k, const float* packed, 
   }
 }
 
+// Runs work(begin, end, slot) over the groups [0, num_groups), split evenly over up to num_threads
+// threads (slot 0 is the caller's); a thread that cannot start leaves its share to the caller.
+int64_t num_workers(int64_t num_groups, int64_t num_threads) {
+  return std::max<int64_t>(1, std::min(num_threads, num_groups));
+}
+
+template <typename Work>
+void split_groups(int64_t num_groups, int64_t num_threads, const Work& work) {
+  const int64_t workers = num_workers(num_groups, num_threads);
+  if (workers == 1) {
+    work(0, num_groups, 0);
+    return;
+  }
+  std::vector<std::thread> threads;
+  threads.reserve(workers - 1);
+  int64_t started = 1;
+  try {
+    for (; started < workers; ++started)
+      threads.emplace_back(work, num_groups * started / workers, num_groups * (started + 1) / workers, started);
+  } catch (const std::system_error&) {  // no thread to be had: this one does their share
+  }
+  work(0, num_groups / workers, 0);
+  work(num_groups * started / workers, num_groups, 0);
+  for (auto& thread : threads) thread.join();
+}
+
+// --- the screened argmax -------------------------------------------------------------------------
+
+constexpr size_t kMaxCandidates = 256;
+
+struct Candidate {
+  int64_t index;
+  float upper;  // an upper bound of its fp32 logit
+};
+
+// One row's screen in one thread: the best lower bound of a logit seen so far, and the entries
+// whose upper bound reached the best lower bound when they were seen (a superset of those that
+// reach the final one). It fails (the caller computes the row's logits) on a NaN or on too many
+// candidates.
+struct Screen {
+  float threshold = -INFINITY;
+  bool failed = false;
+  std::vector<Candidate> candidates;
+
+  void keep(int64_t index, float upper) {
+    if (candidates.size() >= kMaxCandidates) {
+      const float t = threshold;
+      candidates.erase(std::remove_if(candidates.begin(), candidates.end(), [t](const Candidate& c) { return c.upper < t; }),
+                       candidates.end());
+      if (candidates.size() >= kMaxCandidates / 2) {
+        failed = true;
+        return;
+      }
+    }
+    candidates.push_back({index, upper});
+  }
+};
+
+// One tile of the screen: the fp16 logits of up to MT rows x one group, over all of k in one FMA
+// chain, and each entry's bounds: logit -/+ error[row] * bound[entry]. The weight stream and its
+// prefetches are the fp32 tile's at half the bytes (a k step of a group: kGroupCols * 2 bytes).
+template <int MT>
+void screen_tile(const float* a, int64_t lda, const uint16_t* w, int64_t k_size, const float* bounds,
+                 const float* errors, int64_t col, int64_t valid_cols, Screen* screens, const uint16_t* ahead,
+                 int64_t ahead_every) {
+  Vec acc[MT][kBlocks];
+  int64_t countdown = 1;
+#pragma GCC unroll 8
+  for (int i = 0; i < MT; ++i)
+#pragma GCC unroll 3
+    for (int j = 0; j < kBlocks; ++j) acc[i][j] = simd::zero();
+
+  constexpr int64_t kLineHalves = 64 / sizeof(uint16_t);  // fp16 values per cache line
+#pragma GCC unroll 2
+  for (int64_t k = 0; k < k_size; ++k) {
+    const uint16_t* wk = w + k * kGroupCols;
+    for (int64_t j = 0; j < kGroupCols; j += kLineHalves)
+      _mm_prefetch(reinterpret_cast<const char*>(wk + kPrefetchL1Steps * kGroupCols + j), _MM_HINT_T0);
+    if (--countdown == 0) {
+      countdown = ahead_every;
+      for (int64_t j = 0; j < kGroupCols; j += kLineHalves)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + j), _MM_HINT_T1);
+      ahead += kGroupCols;
+    }
+    const Vec w0 = simd::load_half(wk);
+    const Vec w1 = simd::load_half(wk + kLanes);
+    const Vec w2 = simd::load_half(wk + 2 * kLanes);
+#pragma GCC unroll 8
+    for (int i = 0; i < MT; ++i) {
+      const Vec x = simd::set1(a[i * lda + k]);
+      acc[i][0] = simd::fmadd(x, w0, acc[i][0]);
+      acc[i][1] = simd::fmadd(x, w1, acc[i][1]);
+      acc[i][2] = simd::fmadd(x, w2, acc[i][2]);
+    }
+  }
+
+  const Vec none = simd::set1(-INFINITY);
+  simd::Mask valid[kBlocks];
+  Vec bound[kBlocks];
+#pragma GCC unroll 3
+  for (int j = 0; j < kBlocks; ++j) {
+    valid[j] = simd::lane_mask(valid_cols - j * kLanes);
+    bound[j] = simd::load(bounds + j * kLanes);
+  }
+  for (int i = 0; i < MT; ++i) {
+    Screen& screen = screens[i];
+    if (screen.failed) continue;
+    const Vec error = simd::set1(errors[i]);
+    Vec upper[kBlocks];
+    Vec best_lower = none;
+#pragma GCC unroll 3
+    for (int j = 0; j < kBlocks; ++j) {
+      if (simd::any(simd::both(valid[j], simd::is_nan(acc[i][j])))) screen.failed = true;
+      upper[j] = simd::fmadd(error, bound[j], acc[i][j]);
+      best_lower = simd::max(best_lower, simd::select(valid[j], none, simd::fnmadd(error, bound[j], acc[i][j])));
+    }
+    screen.threshold = std::max(screen.threshold, simd::reduce_max(best_lower));
+    const Vec threshold = simd::set1(screen.threshold);
+    for (int j = 0; j < kBlocks; ++j) {
+      uint32_t bits = simd::lane_bits(simd::both(valid[j], simd::at_least(upper[j], threshold)));
+      if (!bits) continue;
+      alignas(64) float lanes[kLanes];
+      simd::store(lanes, upper[j]);
+      for (; bits; bits &= bits - 1) screen.keep(col + j * kLanes + __builtin_ctz(bits), lanes[__builtin_ctz(bits)]);
+    }
+  }
+}
+
+using ScreenFn = void (*)(const float*, int64_t, const uint16_t*, int64_t, const float*, const float*, int64_t,
+                          int64_t, Screen*, const uint16_t*, int64_t);
+constexpr ScreenFn kScreenTiles[9] = {nullptr,          screen_tile<1>, screen_tile<2>, screen_tile<3>, screen_tile<4>,
+                                      screen_tile<5>, screen_tile<6>, screen_tile<7>, screen_tile<8>};
+
+void screen_groups(const float* hidden, int64_t m, int64_t k, const uint16_t* packed, const float* bounds,
+                   const float* errors, int64_t n, Screen* screens, int64_t group_begin, int64_t group_end) {
+  const int64_t group_halves = k * kGroupCols;
+  const int64_t groups_ahead = std::max<int64_t>(1, kPrefetchL2Bytes / (group_halves * 2));
+  const int64_t tiles_per_group = (m + kMaxRows - 1) / kMaxRows;
+  for (int64_t g = group_begin; g < group_end; ++g) {
+    const uint16_t* w = packed + g * group_halves;
+    const int64_t col = g * kGroupCols;
+    const uint16_t* ahead = w + groups_ahead * group_halves;
+    for (int64_t row = 0; row < m; row += kMaxRows) {
+      const int64_t rows = std::min<int64_t>(kMaxRows, m - row);
+      kScreenTiles[rows](hidden + row * k, k, w, k, bounds + col, errors + row, col, n - col, screens + row, ahead,
+                         tiles_per_group);
+      ahead += (k + tiles_per_group - 1) / tiles_per_group * kGroupCols;
+    }
+  }
+}
+
+// The logit pegaserve_lm_head computes for one (row, entry): an FMA chain over k in order per chunk
+// of kChunk, the chunks added in order; the same float, bit for bit.
+float exact_logit(const float* x, const float* w, int64_t k) {
+  float out = 0.0f;
+  for (int64_t k0 = 0; k0 < k; k0 += kChunk) {
+    float acc = 0.0f;
+    const int64_t k_end = std::min(k, k0 + kChunk);
+    for (int64_t i = k0; i < k_end; ++i) acc = std::fma(x[i], w[i], acc);
+    out = k0 == 0 ? acc : out + acc;
+  }
+  return out;
+}
+
+// A row's error scale: its L2 norm, rounded up with room for the double sum's own rounding; NaN
+// where the row is too small or not finite for the bound (lm_head.py).
+float error_scale(const float* x, int64_t k) {
+  double sum = 0.0;
+  for (int64_t i = 0; i < k; ++i) sum += static_cast<double>(x[i]) * x[i];
+  const double norm = std::sqrt(sum);
+  if (!std::isfinite(norm) || norm < 0x1p-30) return NAN;
+  const double scaled = norm * (1.0 + 0x1p-20);
+  float up = static_cast<float>(scaled);
+  if (static_cast<double>(up) < scaled) up = std::nextafter(up, INFINITY);
+  return std::isfinite(up) ? up : NAN;
+}
+
+// The row's token from its screens (one per thread): the first of the candidates with the best
+// fp32 logit; -1 where a screen failed.
+int64_t settle(const float* x, int64_t k, const float* weight, const Screen* screens, int64_t num_screens,
+               int64_t stride) {
+  float threshold = -INFINITY;
+  for (int64_t s = 0; s < num_screens; ++s) {
+    if (screens[s * stride].failed) return -1;
+    threshold = std::max(threshold, screens[s * stride].threshold);
+  }
+  if (!std::isfinite(threshold)) return -1;
+  std::vector<int64_t> candidates;
+  for (int64_t s = 0; s < num_screens; ++s)
+    for (const Candidate& c : screens[s * stride].candidates)
+      if (c.upper >= threshold) candidates.push_back(c.index);
+  std::sort(candidates.begin(), candidates.end());
+  int64_t best = -1;
+  float best_logit = 0.0f;
+  for (const int64_t index : candidates) {
+    const float logit = exact_logit(x, weight + index * k, k);
+    if (std::isnan(logit)) return -1;
+    if (best < 0 || logit > best_logit) {  // strict: the first of equal logits
+      best = index;
+      best_logit = logit;
+    }
+  }
+  return best;
+}
+
 }  // namespace
 
 extern "C" {
@@ -134,23 +347,30 @@ int pegaserve_lm_head_group_cols() { return kGroupCols; }
 void pegaserve_lm_head(const float* hidden, int64_t m, int64_t k, const float* packed, int64_t n, float* out,
                        int64_t num_threads) {
   const int64_t num_groups = (n + kGroupCols - 1) / kGroupCols;
-  const int64_t workers = std::max<int64_t>(1, std::min(num_threads, num_groups));
-  if (workers == 1) {
-    run_groups(hidden, m, k, packed, n, out, 0, num_groups);
-    return;
+  split_groups(num_groups, num_threads, [&](int64_t begin, int64_t end, int64_t) {
+    run_groups(hidden, m, k, packed, n, out, begin, end);
+  });
+}
+
+// Each row's argmax of the logits pegaserve_lm_head computes (the first of equal maxima), or -1
+// where the screen cannot settle it. packed_half: the weight rounded to fp16 (its 16 bits), packed
+// as pegaserve_lm_head's; bounds: [ceil(n / group_cols) * group_cols] fp32, 64-byte aligned, each
+// entry's error bound per unit of a row's norm (lm_head.py); weight: the fp32 weight [n, k], row-major.
+void pegaserve_lm_head_argmax(const float* hidden, int64_t m, int64_t k, const uint16_t* packed_half,
+                              const float* bounds, const float* weight, int64_t n, int64_t* argmax_out,
+                              int64_t num_threads) {
+  const int64_t num_groups = (n + kGroupCols - 1) / kGroupCols;
+  const int64_t workers = num_workers(num_groups, num_threads);
+  std::vector<float> errors(m);
+  std::vector<Screen> screens(workers * m);  // [slot][row]
+  for (int64_t r = 0; r < m; ++r) {
+    errors[r] = error_scale(hidden + r * k, k);
+    if (std::isnan(errors[r])) screens[r].failed = true;
   }
-  std::vector<std::thread> threads;
-  threads.reserve(workers - 1);
-  int64_t started = 1;
-  try {
-    for (; started < workers; ++started)
-      threads.emplace_back(run_groups, hidden, m, k, packed, n, out, num_groups * started / workers,
-                           num_groups * (started + 1) / workers);
-  } catch (const std::system_error&) {  // no thread to be had: this one does their share
-  }
-  run_groups(hidden, m, k, packed, n, out, 0, num_groups / workers);
-  run_groups(hidden, m, k, packed, n, out, num_groups * started / workers, num_groups);
-  for (auto& thread : threads) thread.join();
+  split_groups(num_groups, num_threads, [&](int64_t begin, int64_t end, int64_t slot) {
+    screen_groups(hidden, m, k, packed_half, bounds, errors.data(), n, screens.data() + slot * m, begin, end);
+  });
+  for (int64_t r = 0; r < m; ++r) argmax_out[r] = settle(hidden + r * k, k, weight, screens.data() + r, workers, m);
 }
 
 }  // extern "C"

@@ -1,6 +1,6 @@
 // The vector vocabulary of the engine's CPU kernels (csrc/*.cpp), for the instruction set they are
 // built for (pegaserve/engine/cpu_kernels.py picks the flags): AVX-512 F/BW/VL (16 fp32 lanes, mask
-// registers) or AVX2 + FMA (8 lanes, masks as all-ones lanes). The kernels are written once in these
+// registers) or AVX2 + FMA + F16C (8 lanes, masks as all-ones lanes). The kernels are written once in these
 // words; on AVX-512 each word is the one intrinsic the kernels used before this layer existed.
 //
 // Exactness does not depend on the width: a kernel's lanes are independent FMA chains in a fixed
@@ -32,6 +32,11 @@ inline Vec sub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
 inline Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
 inline Vec max(Vec a, Vec b) { return _mm512_max_ps(a, b); }  // b where either is NaN
 inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec fnmadd(Vec a, Vec b, Vec c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b, rounded once
+// kLanes IEEE half-precision values (their 16 bits, any alignment) as the fp32 values they are, exactly.
+inline Vec load_half(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 inline float reduce_add(Vec v) { return _mm512_reduce_add_ps(v); }
 inline float reduce_max(Vec v) { return _mm512_reduce_max_ps(v); }
 
@@ -44,8 +49,10 @@ inline Mask lane_mask(int64_t valid) {
 inline Mask both(Mask a, Mask b) { return a & b; }
 inline bool any(Mask m) { return m != 0; }
 inline int count(Mask m) { return __builtin_popcount(m); }
+inline uint32_t lane_bits(Mask m) { return m; }  // bit i: lane i
 inline Mask less(Vec a, Vec b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
 inline Mask greater(Vec a, Vec b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
+inline Mask at_least(Vec a, Vec b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ); }
 inline Mask equal(Vec a, Vec b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
 inline Mask is_nan(Vec v) { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q); }
 inline Vec select(Mask m, Vec if_not, Vec if_set) { return _mm512_mask_mov_ps(if_not, m, if_set); }
@@ -90,6 +97,8 @@ inline Vec sub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
 inline Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
 inline Vec max(Vec a, Vec b) { return _mm256_max_ps(a, b); }  // b where either is NaN
 inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec fnmadd(Vec a, Vec b, Vec c) { return _mm256_fnmadd_ps(a, b, c); }
+inline Vec load_half(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline float reduce_add(Vec v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -108,8 +117,10 @@ inline Mask lane_mask(int64_t valid) {
 inline Mask both(Mask a, Mask b) { return _mm256_and_ps(a, b); }
 inline bool any(Mask m) { return _mm256_movemask_ps(m) != 0; }
 inline int count(Mask m) { return __builtin_popcount(_mm256_movemask_ps(m)); }
+inline uint32_t lane_bits(Mask m) { return static_cast<uint32_t>(_mm256_movemask_ps(m)); }
 inline Mask less(Vec a, Vec b) { return _mm256_cmp_ps(a, b, _CMP_LT_OQ); }
 inline Mask greater(Vec a, Vec b) { return _mm256_cmp_ps(a, b, _CMP_GT_OQ); }
+inline Mask at_least(Vec a, Vec b) { return _mm256_cmp_ps(a, b, _CMP_GE_OQ); }
 inline Mask equal(Vec a, Vec b) { return _mm256_cmp_ps(a, b, _CMP_EQ_OQ); }
 inline Mask is_nan(Vec v) { return _mm256_cmp_ps(v, v, _CMP_UNORD_Q); }
 inline Vec select(Mask m, Vec if_not, Vec if_set) { return _mm256_blendv_ps(if_not, if_set, m); }
