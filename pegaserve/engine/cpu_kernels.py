@@ -2,7 +2,8 @@
 about a second each, for the widest instruction set this CPU has of AVX-512 F/BW/VL and AVX2 + FMA +
 F16C (`csrc/simd.h` words them for both), and loaded with ctypes (which releases the GIL during a call).
 
-They are plain C ABI: no torch headers, no ninja. A build lives in
+They are plain C ABI: no torch headers, no ninja. They build with -fopenmp, and their threads are
+torch's OpenMP pool: the libgomp torch loaded, which the process resolves theirs to. A build lives in
 `~/.cache/pegaserve/<name>/<hash of source, compiler and flags>/`; each build writes a private file
 and renames it into place, so processes starting together (engine cores, test workers) never load a
 half-written library. Where the CPU has neither instruction set, no compiler is found or the build
@@ -35,7 +36,7 @@ ISA_FLAGS = {  # instruction set -> what the compiler is told; the first this CP
 ISA_NAMES = {"avx512": "AVX-512", "avx2": "AVX2"}
 _ISA_CPU_FLAGS = {"avx512": ("avx512_f", "avx512_bw", "avx512_vl", "fma3"), "avx2": ("avx2", "fma3", "f16c")}
 _TORCH_LEVELS = {"avx512": ("AVX512",), "avx2": ("AVX512", "AVX2")}
-CXX_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread")
+CXX_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fopenmp")
 BUILD_TIMEOUT_S = 120.0
 
 

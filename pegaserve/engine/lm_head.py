@@ -25,25 +25,31 @@ sizes it is 2-3x MKL's GEMM on the AMD EPYC dev machine (16 x 256 -> 1536: ~65 u
 and, summing each output over K in a fixed order, its result for a row does not depend on the
 other rows in the call.
 
-Threads: the kernel splits the vocab over `torch.get_num_threads()` threads, started per call
-(the engine runs with one), when a call has enough work to pay for starting them.
+Threads: the kernel splits the vocab over `torch.get_num_threads()` threads (the engine runs with
+one) when a call has enough work to pay for them: threads of torch's own OpenMP pool (the kernels
+build with -fopenmp, and the process's libgomp is torch's), never threads of its own, which would
+share the cores with torch's spinning OpenMP workers (a batch-16 sampled step: 15 ms instead of 11
+on two threads).
 
-`GreedyHead` finds each row's greedy token, the argmax of the logits `CpuLogits` computes, without
-computing them all: where the head streams its weight at the memory's rate (an Intel Xeon host:
-16 rows in ~14.6 ms, one row in ~10.5, one thread), reading half the bytes is what makes it faster.
-Its kernel (`pegaserve_lm_head_argmax`) screens an fp16 copy of the weight, then computes the fp32
-logits of the few entries the screen cannot rule out, each the same float as `CpuLogits`' (the same
-FMA chain). For row x and entry j, with h_j the fp16 rounding of weight row w_j, L_j the fp32 logit
-and A_j the one from h_j (both FMA chains over K, at most 2K roundings of unit u = 2^-24 on any path):
+`ScreenedHead` reads the head through an fp16 copy of the weight, half the bytes: where the head
+streams its weight at the memory's rate (an Intel Xeon host, one thread: 16 rows in ~14.4 ms, one
+row in ~10.5), that is what makes a decode step faster. Each fp16 logit comes with a proven bound of
+its distance to the fp32 logit `CpuLogits` computes. Its greedy argmax (`pegaserve_lm_head_argmax`)
+screens the vocab with the bounds, then computes the fp32 logits of the few entries the screen cannot
+rule out (~1 per row on the default model), each the same float as `CpuLogits`' (the same FMA chain);
+its upper bounds (`pegaserve_lm_head_upper`) let the sampler draw by rejection with the same law as
+from the full logits (sampling_screened.py). For row x and entry j, with h_j the fp16 rounding of
+weight row w_j, L_j the fp32 logit and A_j the one from h_j (both FMA chains over K, at most 2K
+roundings of unit u = 2^-24 on any path):
 
     |L_j - A_j| <= |x . (w_j - h_j)| + g (sum_k |x_k w_jk| + sum_k |x_k h_jk|) + 2K 2^-126
                <= |x| (|w_j - h_j| + g (|w_j| + |h_j|)) + 2K 2^-126,   g = 2Ku / (1 - 2Ku)
 
 (Cauchy-Schwarz; 2K 2^-126 covers flushed subnormals). Each entry's bound b_j is that bracket plus
 K 2^-95, which covers the last term for |x| >= 2^-30, rounded up; a row's scale e is |x| rounded up.
-Every entry whose upper bound A_j + e b_j reaches the best lower bound max_i (A_i - e b_i) is a
-candidate, so the best fp32 logit and every entry that ties it are among them (rounding of the
-bounds, once each, is monotone and cannot break this). A row it cannot settle (a NaN, |x| < 2^-30,
+The upper bound A_j + e b_j, rounded once (monotone), is never below L_j. For the argmax, every
+entry whose upper bound reaches the best lower bound max_i (A_i - e b_i) is a candidate, so the best
+fp32 logit and every entry that ties it are among them. A row it cannot settle (a NaN, |x| < 2^-30,
 more than ~256 candidates) falls back to its full logits.
 """
 
@@ -121,46 +127,81 @@ class CpuLogits:
         return logits
 
 
-class GreedyHead:
-    """Each row's greedy token: `logits(hidden).argmax(-1)` (the first of equal maxima), read off an
-    fp16 copy of the weight and a few fp32 logits (the module docstring). Needs `logits` to run the
-    kernel (`CpuLogits.uses_kernel`) and a weight finite in fp16 (`supports`)."""
+class ScreenedHead:
+    """The LM head read through an fp16 copy of its weight, with each logit's error bound (the module
+    docstring): each row's greedy token (`argmax`), upper bounds of all its logits (`upper_logits`)
+    and single fp32 logits (`logits_at`), each exactly what `logits` computes or bounds. Needs
+    `logits` to run the kernel (`CpuLogits.uses_kernel`) and a weight finite in fp16 (`supports`)."""
 
     def __init__(self, logits: CpuLogits) -> None:
         if not self.supports(logits):
-            raise ValueError("GreedyHead needs a CpuLogits that runs the kernel, over a weight finite in fp16")
+            raise ValueError("ScreenedHead needs a CpuLogits that runs the kernel, over a weight finite in fp16")
         self.logits = logits
+        self._kernel = logits._kernel
         weight = logits.weight.detach()
         self._weight = weight.contiguous()  # the fp32 rows of the candidates
-        group_cols = logits._kernel.pegaserve_lm_head_group_cols()
-        hi = weight.to(torch.float16)
-        self._packed = _pack(hi, group_cols)
+        group_cols = self._kernel.pegaserve_lm_head_group_cols()
+        half = weight.to(torch.float16)
+        self._packed = _pack(half, group_cols)
         self._bounds = torch.zeros(self._packed.shape[0] * group_cols, dtype=torch.float32)
-        self._bounds[: weight.shape[0]] = _screen_bounds(weight, hi)
+        self._bounds[: weight.shape[0]] = _screen_bounds(weight, half)
 
     @staticmethod
     def supports(logits: CpuLogits) -> bool:
-        weight = logits.weight.detach()
-        return logits.uses_kernel and bool(torch.isfinite(weight.to(torch.float16)).all())  # |w| < 65520
+        fits = logits.uses_kernel and torch.isfinite(logits.weight.detach().to(torch.float16)).all()  # |w| < 65520
+        return bool(fits)
 
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M] int64
-        head = self.logits
-        if hidden.dim() != 2 or hidden.shape[1] != head.hidden_size:
-            raise ValueError(f"hidden must be [rows, {head.hidden_size}], got {tuple(hidden.shape)}")
-        hidden = hidden.detach().to(device="cpu", dtype=torch.float32).contiguous()
-        num_tokens = hidden.shape[0]
-        tokens = torch.empty(num_tokens, dtype=torch.int64)
-        if num_tokens:
-            fmas = num_tokens * head.vocab_size * head.hidden_size
-            threads = torch.get_num_threads() if fmas >= _THREADED_FMAS else 1
-            head._kernel.pegaserve_lm_head_argmax(
-                hidden.data_ptr(), num_tokens, head.hidden_size, self._packed.data_ptr(), self._bounds.data_ptr(),
-                self._weight.data_ptr(), head.vocab_size, tokens.data_ptr(), threads,
+    def argmax(self, hidden: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M] int64
+        """Each row's `logits(hidden).argmax(-1)` (the first of equal maxima), bit for bit."""
+        hidden = self._rows(hidden)
+        tokens = torch.empty(hidden.shape[0], dtype=torch.int64)
+        if len(tokens):
+            self._kernel.pegaserve_lm_head_argmax(
+                hidden.data_ptr(), len(tokens), self.logits.hidden_size, self._packed.data_ptr(),
+                self._bounds.data_ptr(), self._weight.data_ptr(), self.logits.vocab_size, tokens.data_ptr(),
+                self._threads(len(tokens)),
             )  # fmt: skip
         unsettled = (tokens < 0).nonzero()[:, 0]
         if len(unsettled):
-            tokens[unsettled] = head(hidden[unsettled]).argmax(-1)
+            tokens[unsettled] = self.logits(hidden[unsettled]).argmax(-1)
         return tokens
+
+    def upper_logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [M, K] -> [M, N], [M, 1]
+        """An upper bound of each of `logits(hidden)` (its fp16 logit plus its bound), NaN throughout
+        a row the bound cannot cover (a row of norm below 2^-30 or not finite); and each row's
+        largest, NaN where the row has a NaN."""
+        hidden = self._rows(hidden)
+        upper = torch.empty(hidden.shape[0], self.logits.vocab_size, dtype=torch.float32)
+        row_max = torch.empty(hidden.shape[0], 1, dtype=torch.float32)
+        if len(upper):
+            self._kernel.pegaserve_lm_head_upper(
+                hidden.data_ptr(), len(upper), self.logits.hidden_size, self._packed.data_ptr(),
+                self._bounds.data_ptr(), self.logits.vocab_size, upper.data_ptr(), row_max.data_ptr(),
+                self._threads(len(upper)),
+            )  # fmt: skip
+        return upper, row_max
+
+    def logits_at(self, hidden: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:  # [M, K], [M] -> [M]
+        """`logits(hidden)[r, columns[r]]` for each row r, computed alone, the same float."""
+        hidden = self._rows(hidden)
+        columns = columns.to(torch.int64).contiguous()
+        if columns.shape != (hidden.shape[0],) or bool(((columns < 0) | (columns >= self.logits.vocab_size)).any()):
+            raise ValueError(f"columns must be one vocab index per row, got {tuple(columns.shape)}")
+        found = torch.empty(len(columns), dtype=torch.float32)
+        self._kernel.pegaserve_lm_head_logits_at(
+            hidden.data_ptr(), len(columns), self.logits.hidden_size, self._weight.data_ptr(), columns.data_ptr(),
+            found.data_ptr(),
+        )  # fmt: skip
+        return found
+
+    def _rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.dim() != 2 or hidden.shape[1] != self.logits.hidden_size:
+            raise ValueError(f"hidden must be [rows, {self.logits.hidden_size}], got {tuple(hidden.shape)}")
+        return hidden.detach().to(device="cpu", dtype=torch.float32).contiguous()
+
+    def _threads(self, num_rows: int) -> int:
+        fmas = num_rows * self.logits.vocab_size * self.logits.hidden_size
+        return torch.get_num_threads() if fmas >= _THREADED_FMAS else 1
 
 
 def has_kernel() -> bool:
@@ -214,5 +255,9 @@ def _load_kernel() -> ctypes.CDLL | None:
         library.pegaserve_lm_head.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64]
         library.pegaserve_lm_head_argmax.restype = None
         library.pegaserve_lm_head_argmax.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i64]
+        library.pegaserve_lm_head_upper.restype = None
+        library.pegaserve_lm_head_upper.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, i64]
+        library.pegaserve_lm_head_logits_at.restype = None
+        library.pegaserve_lm_head_logits_at.argtypes = [ptr, i64, i64, ptr, ptr, ptr]
 
     return cpu_kernels.load("lm_head", "LM head", "oneDNN's linear", declare)

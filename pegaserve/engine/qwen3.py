@@ -13,7 +13,7 @@ from torch import nn
 
 from pegaserve.engine.attention import AttentionBackend, AttentionBatch
 from pegaserve.engine.fused_linear import FusedLinear
-from pegaserve.engine.lm_head import CpuLogits, GreedyHead
+from pegaserve.engine.lm_head import CpuLogits, ScreenedHead
 from pegaserve.engine.model_config import ModelConfig
 
 
@@ -127,7 +127,7 @@ class Qwen3ForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._cpu_logits: CpuLogits | None = None  # built from lm_head.weight on first use
-        self._greedy_head: GreedyHead | None = None  # with it, where the kernel runs
+        self._screened_head: ScreenedHead | None = None  # with it, where the kernel runs
 
     def forward(
         self,
@@ -144,17 +144,17 @@ class Qwen3ForCausalLM(nn.Module):
             return head(hidden)  # [rows, vocab]
         return self.lm_head(hidden).float()  # [rows, vocab]
 
-    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Each row's `compute_logits(hidden).argmax(-1)` (the first best) without the logits, where
-        the CPU kernel runs (`lm_head.GreedyHead`: half the weight's bytes); else None."""
-        return None if self._cpu_lm_head() is None or self._greedy_head is None else self._greedy_head(hidden)
+    def screened_head(self) -> ScreenedHead | None:
+        """The head read through an fp16 copy of its weight (`lm_head.ScreenedHead`: half the bytes),
+        bounding or matching `compute_logits` exactly, where the CPU kernel runs; else None."""
+        return self._screened_head if self._cpu_lm_head() is not None else None
 
     def _cpu_lm_head(self) -> CpuLogits | None:
         """The LM head with its weight packed for the CPU kernel, for fp32 on the CPU (else None).
 
         The head (vocab x hidden, ~150k rows) is most of a small model's decode step; the packed
         copy (`lm_head.py`) is ~1.7x faster than oneDNN's at 16 rows and gives the same fp32 dot
-        products. It is built on first use, with the greedy head beside it, and rebuilt if the
+        products. It is built on first use, with the screened head beside it, and rebuilt if the
         weight is replaced (the loader assigns and re-ties weights after construction).
         """
         weight = self.lm_head.weight
@@ -162,5 +162,5 @@ class Qwen3ForCausalLM(nn.Module):
             return None
         if self._cpu_logits is None or self._cpu_logits.weight is not weight:
             self._cpu_logits = CpuLogits(weight)
-            self._greedy_head = GreedyHead(self._cpu_logits) if GreedyHead.supports(self._cpu_logits) else None
+            self._screened_head = ScreenedHead(self._cpu_logits) if ScreenedHead.supports(self._cpu_logits) else None
         return self._cpu_logits

@@ -13,9 +13,8 @@ from collections.abc import Iterator
 import torch
 
 from pegaserve.engine.attention import AttentionBatch
-from pegaserve.engine.request import SampledToken
-from pegaserve.engine.sampler import argmax_only
-from pegaserve.engine.sampling_device import sample_on_device, score_on_device
+from pegaserve.engine.sampling_device import score_on_device
+from pegaserve.engine.sampling_screened import sample_hidden
 from pegaserve.engine.scheduler_output import RunnerOutput, SchedulerOutput
 
 SCORE_CHUNK_ROWS = 64  # prompt logprobs: LM-head rows at a time (never [prompt_len, vocab] at once)
@@ -61,11 +60,11 @@ class ModelRunner:
         return input_ids.to(self.device), positions.to(self.device), attn
 
     def _sample(self, hidden: torch.Tensor, output: SchedulerOutput, attn: AttentionBatch):
-        """Logits at every sampled position (once per position, however many rows share it); where
-        every row takes the raw argmax alone (`sampler.argmax_only`), the model's `greedy_tokens`,
-        if it has them, finds the tokens without the logits."""
+        """Tokens at every sampled position (its hidden state once, however many rows share it):
+        through the model's screened head where the rows allow it and the model has one
+        (sampling_screened.py), else from the full logits."""
         flat: list[int] = []  # rows of `hidden` to put through the LM head
-        row_of: list[int] = []  # per sampling row: its row of `logits`
+        row_of: list[int] = []  # per sampling row: its row of `picked`
         rows = []
         for r, start in zip(output.requests, attn.query_starts):
             for sample_at in r.samples:
@@ -76,17 +75,9 @@ class ModelRunner:
         if not rows:
             return tuple(() for _ in output.requests)
         picked = hidden.index_select(0, torch.tensor(flat, device=hidden.device))  # [num_positions, hidden]
-        greedy = getattr(self.model, "greedy_tokens", None) if all(map(argmax_only, rows)) else None
-        found = greedy(picked) if greedy is not None else None
-        if found is not None:
-            ids = found.tolist()
-            sampled = [SampledToken(ids[i], None) for i in row_of]
-        else:
-            logits = self.model.compute_logits(picked).float()  # [num_positions, vocab]
-            if len(flat) != len(rows):
-                logits = logits[torch.tensor(row_of, device=logits.device)]
-            sampled = sample_on_device(logits, rows)  # on a GPU, only the rows that need the CPU leave it
-        tokens = iter(sampled)
+        screened_head = getattr(self.model, "screened_head", None)  # models without one sample the logits
+        head = screened_head() if screened_head is not None else None
+        tokens = iter(sample_hidden(picked, row_of, rows, head, lambda h: self.model.compute_logits(h).float()))
         return tuple(tuple(itertools.islice(tokens, len(r.samples))) for r in output.requests)
 
     def _score(self, hidden: torch.Tensor, output: SchedulerOutput, attn: AttentionBatch):

@@ -31,13 +31,16 @@ def _draw(
     masses: torch.Tensor,
     rows: Sequence[SamplingRow],
     fallback: torch.Tensor,
+    stream: int = 0,
 ) -> torch.Tensor:
     """Inverse-CDF draws from the rows `row_ids` of `source` (None: all, in order), at each row's
     temperature (`scale`), keeping its logits at or above `lower`, given its cell masses (all
-    `[n, 1]` but those). A row with no finite max or no mass takes `fallback`, its argmax."""
+    `[n, 1]` but those), with each row's uniform number `stream` (`_uniform`). A row with no finite
+    max or no mass takes `fallback`, its argmax."""
     vocab = source.shape[1]
     masses = masses.double()  # [n, num_cells]
-    target = torch.tensor([[_uniform(row)] for row in rows], dtype=torch.float64) * masses.sum(-1, keepdim=True)
+    uniforms = [[_uniform(row, stream)] for row in rows]
+    target = torch.tensor(uniforms, dtype=torch.float64) * masses.sum(-1, keepdim=True)
     drafts = [row.draft_token_id for row in rows]
     with_drafts = any(d is not None for d in drafts)
     if with_drafts:  # the draft's mass comes first: [0, w_draft) accepts it
@@ -76,12 +79,16 @@ def _search(cumulative: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cumulative, target, right=True).clamp_(max=last)
 
 
-def _uniform(row: SamplingRow) -> float:
-    """The row's uniform in [0, 1): a hash of (seed, position), or fresh entropy when unseeded."""
+def _uniform(row: SamplingRow, stream: int = 0) -> float:
+    """The row's uniform in [0, 1): a hash of (seed, position, stream), or fresh entropy when
+    unseeded. Stream 0 is the draw's; a draw by rejection (sampling_screened.py) reads more."""
     seed = row.params.seed
     if seed is None:
         return _UNSEEDED.random()
-    return (_mix64(_mix64(seed & _MASK64) ^ (row.num_output_tokens & _MASK64)) >> 11) * 2.0**-53
+    key = _mix64(_mix64(seed & _MASK64) ^ (row.num_output_tokens & _MASK64))
+    if stream:
+        key = _mix64(key ^ _mix64(stream & _MASK64))
+    return (key >> 11) * 2.0**-53
 
 
 def _mix64(x: int) -> int:

@@ -12,7 +12,7 @@ import torch
 
 from pegaserve.engine import cpu_kernels, lm_head
 from pegaserve.engine.attention import SdpaBackend
-from pegaserve.engine.lm_head import CpuLogits, GreedyHead, lm_head_reference
+from pegaserve.engine.lm_head import CpuLogits, ScreenedHead, lm_head_reference
 from pegaserve.engine.model_config import ModelConfig
 from pegaserve.engine.qwen3 import Qwen3ForCausalLM
 from tests.engine.helpers import on_each_kernel_build
@@ -115,7 +115,7 @@ def test_no_rows_and_strided_rows():
 
 def _screened_and_full(weight: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     head = CpuLogits(weight)
-    return GreedyHead(head)(hidden), head(hidden).argmax(-1)
+    return ScreenedHead(head).argmax(hidden), head(hidden).argmax(-1)
 
 
 @needs_kernel
@@ -200,18 +200,52 @@ def test_greedy_head_falls_back_where_the_bound_does_not_hold():
     assert screened[0] == 0  # all logits 0: the first
 
 
-def test_greedy_head_needs_the_kernel_and_a_weight_fp16_can_hold():
+def test_screened_head_needs_the_kernel_and_a_weight_fp16_can_hold():
     weight, _ = _weight_and_hidden(100, 64, 1)
-    assert not GreedyHead.supports(CpuLogits(weight, allow_kernel=False))
+    assert not ScreenedHead.supports(CpuLogits(weight, allow_kernel=False))
     if cpu_kernels.isa() is None:
         return
-    assert GreedyHead.supports(CpuLogits(weight))
+    assert ScreenedHead.supports(CpuLogits(weight))
+    head = ScreenedHead(CpuLogits(weight))
+    for call in (head.argmax, head.upper_logits, lambda h: head.logits_at(h, torch.zeros(2, dtype=torch.long))):
+        with pytest.raises(ValueError, match=r"\[rows, 64\]"):
+            call(torch.randn(2, 32))
+    with pytest.raises(ValueError, match="one vocab index per row"):
+        head.logits_at(torch.randn(2, 64), torch.tensor([0, 100]))
     weight[7, 7] = 70_000.0  # past fp16's largest finite value
-    assert not GreedyHead.supports(CpuLogits(weight))
+    assert not ScreenedHead.supports(CpuLogits(weight))
     with pytest.raises(ValueError, match="fp16"):
-        GreedyHead(CpuLogits(weight))
-    with pytest.raises(ValueError, match=r"\[rows, 64\]"):
-        GreedyHead(CpuLogits(weight * 0))(torch.randn(2, 32))
+        ScreenedHead(CpuLogits(weight))
+
+
+@needs_kernel
+@pytest.mark.parametrize("num_rows, hidden_size", [(1000, 256), (333, 1024), (97, 600)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_screened_heads_upper_bounds_hold_and_its_logits_are_the_full_heads(num_rows, hidden_size, threads):
+    """Every upper bound is at or above the fp32 logit, by no more than twice the bound, and each row's
+    largest comes with them; a zero row's are NaN (no scale for its bound); `logits_at` gives the
+    full head's floats bit for bit."""
+    weight, hidden = _weight_and_hidden(num_rows, hidden_size, 9, seed=2)
+    hidden[4] = 0.0
+    full = CpuLogits(weight)
+    head = ScreenedHead(full)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        (upper, row_max), logits = head.upper_logits(hidden), full(hidden)
+    finally:
+        torch.set_num_threads(before)
+    columns = torch.tensor([0, 5, num_rows - 1, 17, 3, num_rows // 2, 1, 2, num_rows - 2])
+
+    finite = torch.ones(9, dtype=torch.bool)
+    finite[4] = False
+    assert upper[4].isnan().all() and upper[finite].isfinite().all()
+    assert row_max[4].isnan() and torch.equal(row_max[finite], upper[finite].amax(-1, keepdim=True))
+    assert (upper[finite] >= logits[finite]).all()
+    scale = hidden[finite].double().norm(dim=1, keepdim=True)
+    slack = 2 * scale * lm_head._screen_bounds(weight, weight.half()).double()[None]
+    assert ((upper[finite].double() - logits[finite].double()) <= slack).all()
+    assert torch.equal(head.logits_at(hidden, columns), logits[torch.arange(9), columns])
 
 
 def test_wrong_hidden_size_and_unsupported_weight_raise():
@@ -274,9 +308,9 @@ def test_model_rebuilds_the_head_when_the_tied_weight_is_replaced():
 
     torch.testing.assert_close(model.compute_logits(hidden), hidden @ model.model.embed_tokens.weight.T)
     assert model._cpu_logits.uses_kernel == (cpu_kernels.isa() is not None)
-    greedy = model.greedy_tokens(hidden)
+    screened = model.screened_head()
     if cpu_kernels.isa() is None:
-        assert greedy is None
+        assert screened is None
     else:
-        assert torch.equal(greedy, model.compute_logits(hidden).argmax(-1))
-        assert model._greedy_head.logits is model._cpu_logits  # rebuilt with it
+        assert screened.logits is model._cpu_logits  # rebuilt with it
+        assert torch.equal(screened.argmax(hidden), model.compute_logits(hidden).argmax(-1))

@@ -17,11 +17,11 @@
 //
 // Plain C ABI (loaded with ctypes), so that it builds in a second with no torch headers and no ninja.
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <system_error>
-#include <thread>
 #include <vector>
 
 #include "simd.h"
@@ -131,7 +131,7 @@ void run_groups(const float* hidden, int64_t m, int64_t k, const float* packed, 
 }
 
 // Runs work(begin, end, slot) over the groups [0, num_groups), split evenly over up to num_threads
-// threads (slot 0 is the caller's); a thread that cannot start leaves its share to the caller.
+// threads of the process's OpenMP pool (torch's: the same libgomp, loaded first), slot 0 the caller's.
 int64_t num_workers(int64_t num_groups, int64_t num_threads) {
   return std::max<int64_t>(1, std::min(num_threads, num_groups));
 }
@@ -143,17 +143,11 @@ void split_groups(int64_t num_groups, int64_t num_threads, const Work& work) {
     work(0, num_groups, 0);
     return;
   }
-  std::vector<std::thread> threads;
-  threads.reserve(workers - 1);
-  int64_t started = 1;
-  try {
-    for (; started < workers; ++started)
-      threads.emplace_back(work, num_groups * started / workers, num_groups * (started + 1) / workers, started);
-  } catch (const std::system_error&) {  // no thread to be had: this one does their share
+#pragma omp parallel num_threads(workers)
+  {
+    const int64_t slot = omp_get_thread_num(), team = omp_get_num_threads();
+    work(num_groups * slot / team, num_groups * (slot + 1) / team, slot);
   }
-  work(0, num_groups / workers, 0);
-  work(num_groups * started / workers, num_groups, 0);
-  for (auto& thread : threads) thread.join();
 }
 
 // --- the screened argmax -------------------------------------------------------------------------
@@ -177,8 +171,8 @@ struct Screen {
   void keep(int64_t index, float upper) {
     if (candidates.size() >= kMaxCandidates) {
       const float t = threshold;
-      candidates.erase(std::remove_if(candidates.begin(), candidates.end(), [t](const Candidate& c) { return c.upper < t; }),
-                       candidates.end());
+      const auto below = [t](const Candidate& c) { return c.upper < t; };
+      candidates.erase(std::remove_if(candidates.begin(), candidates.end(), below), candidates.end());
       if (candidates.size() >= kMaxCandidates / 2) {
         failed = true;
         return;
@@ -188,14 +182,24 @@ struct Screen {
   }
 };
 
-// One tile of the screen: the fp16 logits of up to MT rows x one group, over all of k in one FMA
-// chain, and each entry's bounds: logit -/+ error[row] * bound[entry]. The weight stream and its
-// prefetches are the fp32 tile's at half the bytes (a k step of a group: kGroupCols * 2 bytes).
+// One pass over the fp16 copy: what its tiles read, and what they write: `screen_tile` a screen
+// per row (the argmax), `upper_tile` every entry's upper bound (the draws).
+struct HalfPass {
+  const float* hidden;  // [m, k]
+  int64_t m, k, n;
+  const uint16_t* packed;
+  const float* bounds;  // [groups * kGroupCols]
+  const float* errors;  // [m]
+  Screen* screens;      // [m]: this thread's
+  float* upper;         // [m, n]
+  float* maxima;        // [m]: this thread's largest upper bound of each row, NaN once one is NaN
+};
+
+// The fp16 logits of up to MT rows x one group, over all of k in one FMA chain. The weight stream
+// and its prefetches are the fp32 tile's at half the bytes (a k step of a group: kGroupCols * 2 bytes).
 template <int MT>
-void screen_tile(const float* a, int64_t lda, const uint16_t* w, int64_t k_size, const float* bounds,
-                 const float* errors, int64_t col, int64_t valid_cols, Screen* screens, const uint16_t* ahead,
-                 int64_t ahead_every) {
-  Vec acc[MT][kBlocks];
+__attribute__((always_inline)) inline void half_sums(const float* a, int64_t lda, const uint16_t* w, int64_t k_size,
+                                                  const uint16_t* ahead, int64_t ahead_every, Vec (&acc)[MT][kBlocks]) {
   int64_t countdown = 1;
 #pragma GCC unroll 8
   for (int i = 0; i < MT; ++i)
@@ -225,19 +229,28 @@ void screen_tile(const float* a, int64_t lda, const uint16_t* w, int64_t k_size,
       acc[i][2] = simd::fmadd(x, w2, acc[i][2]);
     }
   }
+}
 
+// Rows [row, row + MT) x group g: each entry's bounds, fp16 logit -/+ error[row] * bound[entry],
+// into the rows' screens.
+template <int MT>
+void screen_tile(const HalfPass& pass, int64_t row, int64_t g, const uint16_t* ahead, int64_t ahead_every) {
+  Vec acc[MT][kBlocks];
+  half_sums<MT>(pass.hidden + row * pass.k, pass.k, pass.packed + g * pass.k * kGroupCols, pass.k, ahead,
+                ahead_every, acc);
+  const int64_t col = g * kGroupCols;
   const Vec none = simd::set1(-INFINITY);
   simd::Mask valid[kBlocks];
   Vec bound[kBlocks];
 #pragma GCC unroll 3
   for (int j = 0; j < kBlocks; ++j) {
-    valid[j] = simd::lane_mask(valid_cols - j * kLanes);
-    bound[j] = simd::load(bounds + j * kLanes);
+    valid[j] = simd::lane_mask(pass.n - col - j * kLanes);
+    bound[j] = simd::load(pass.bounds + col + j * kLanes);
   }
   for (int i = 0; i < MT; ++i) {
-    Screen& screen = screens[i];
+    Screen& screen = pass.screens[row + i];
     if (screen.failed) continue;
-    const Vec error = simd::set1(errors[i]);
+    const Vec error = simd::set1(pass.errors[row + i]);
     Vec upper[kBlocks];
     Vec best_lower = none;
 #pragma GCC unroll 3
@@ -258,25 +271,53 @@ void screen_tile(const float* a, int64_t lda, const uint16_t* w, int64_t k_size,
   }
 }
 
-using ScreenFn = void (*)(const float*, int64_t, const uint16_t*, int64_t, const float*, const float*, int64_t,
-                          int64_t, Screen*, const uint16_t*, int64_t);
-constexpr ScreenFn kScreenTiles[9] = {nullptr,          screen_tile<1>, screen_tile<2>, screen_tile<3>, screen_tile<4>,
-                                      screen_tile<5>, screen_tile<6>, screen_tile<7>, screen_tile<8>};
+// Rows [row, row + MT) x group g: each entry's upper bound, fp16 logit + error[row] * bound[entry]
+// (NaN throughout a row whose error is NaN), and the rows' maxima so far.
+template <int MT>
+void upper_tile(const HalfPass& pass, int64_t row, int64_t g, const uint16_t* ahead, int64_t ahead_every) {
+  Vec acc[MT][kBlocks];
+  half_sums<MT>(pass.hidden + row * pass.k, pass.k, pass.packed + g * pass.k * kGroupCols, pass.k, ahead,
+                ahead_every, acc);
+  const int64_t col = g * kGroupCols;
+  const Vec none = simd::set1(-INFINITY);
+  for (int i = 0; i < MT; ++i) {
+    const Vec error = simd::set1(pass.errors[row + i]);
+    float* out = pass.upper + (row + i) * pass.n + col;
+    Vec best = none;
+    bool nan = false;
+#pragma GCC unroll 3
+    for (int j = 0; j < kBlocks; ++j) {
+      const Vec upper = simd::fmadd(error, simd::load(pass.bounds + col + j * kLanes), acc[i][j]);
+      const simd::Mask valid = simd::lane_mask(pass.n - col - j * kLanes);
+      nan |= simd::any(simd::both(valid, simd::is_nan(upper)));
+      best = simd::max(best, simd::select(valid, none, upper));
+      if (pass.n - col >= kGroupCols) {
+        simd::storeu(out + j * kLanes, upper);
+      } else {  // the vocab tail
+        simd::store_masked(out + j * kLanes, valid, upper);
+      }
+    }
+    float& maximum = pass.maxima[row + i];
+    maximum = nan || std::isnan(maximum) ? NAN : std::max(maximum, simd::reduce_max(best));
+  }
+}
 
-void screen_groups(const float* hidden, int64_t m, int64_t k, const uint16_t* packed, const float* bounds,
-                   const float* errors, int64_t n, Screen* screens, int64_t group_begin, int64_t group_end) {
-  const int64_t group_halves = k * kGroupCols;
+using HalfTileFn = void (*)(const HalfPass&, int64_t, int64_t, const uint16_t*, int64_t);
+constexpr HalfTileFn kScreenTiles[9] = {nullptr,        screen_tile<1>, screen_tile<2>, screen_tile<3>,
+                                        screen_tile<4>, screen_tile<5>, screen_tile<6>, screen_tile<7>,
+                                        screen_tile<8>};
+constexpr HalfTileFn kUpperTiles[9] = {nullptr,       upper_tile<1>, upper_tile<2>, upper_tile<3>, upper_tile<4>,
+                                       upper_tile<5>, upper_tile<6>, upper_tile<7>, upper_tile<8>};
+
+void half_groups(const HalfPass& pass, const HalfTileFn* tiles, int64_t group_begin, int64_t group_end) {
+  const int64_t group_halves = pass.k * kGroupCols;
   const int64_t groups_ahead = std::max<int64_t>(1, kPrefetchL2Bytes / (group_halves * 2));
-  const int64_t tiles_per_group = (m + kMaxRows - 1) / kMaxRows;
+  const int64_t tiles_per_group = (pass.m + kMaxRows - 1) / kMaxRows;
   for (int64_t g = group_begin; g < group_end; ++g) {
-    const uint16_t* w = packed + g * group_halves;
-    const int64_t col = g * kGroupCols;
-    const uint16_t* ahead = w + groups_ahead * group_halves;
-    for (int64_t row = 0; row < m; row += kMaxRows) {
-      const int64_t rows = std::min<int64_t>(kMaxRows, m - row);
-      kScreenTiles[rows](hidden + row * k, k, w, k, bounds + col, errors + row, col, n - col, screens + row, ahead,
-                         tiles_per_group);
-      ahead += (k + tiles_per_group - 1) / tiles_per_group * kGroupCols;
+    const uint16_t* ahead = pass.packed + (g + groups_ahead) * group_halves;
+    for (int64_t row = 0; row < pass.m; row += kMaxRows) {
+      tiles[std::min<int64_t>(kMaxRows, pass.m - row)](pass, row, g, ahead, tiles_per_group);
+      ahead += (pass.k + tiles_per_group - 1) / tiles_per_group * kGroupCols;
     }
   }
 }
@@ -368,9 +409,37 @@ void pegaserve_lm_head_argmax(const float* hidden, int64_t m, int64_t k, const u
     if (std::isnan(errors[r])) screens[r].failed = true;
   }
   split_groups(num_groups, num_threads, [&](int64_t begin, int64_t end, int64_t slot) {
-    screen_groups(hidden, m, k, packed_half, bounds, errors.data(), n, screens.data() + slot * m, begin, end);
+    const HalfPass pass{hidden, m, k, n, packed_half, bounds, errors.data(), screens.data() + slot * m, nullptr, nullptr};
+    half_groups(pass, kScreenTiles, begin, end);
   });
   for (int64_t r = 0; r < m; ++r) argmax_out[r] = settle(hidden + r * k, k, weight, screens.data() + r, workers, m);
+}
+
+// upper_out[m, n]: an upper bound of each fp32 logit pegaserve_lm_head computes, from the same fp16
+// copy and bounds as pegaserve_lm_head_argmax, NaN throughout a row the bound cannot cover;
+// max_out[m]: each row's largest, NaN where the row has a NaN.
+void pegaserve_lm_head_upper(const float* hidden, int64_t m, int64_t k, const uint16_t* packed_half,
+                             const float* bounds, int64_t n, float* upper_out, float* max_out, int64_t num_threads) {
+  const int64_t num_groups = (n + kGroupCols - 1) / kGroupCols;
+  const int64_t workers = num_workers(num_groups, num_threads);
+  std::vector<float> errors(m);
+  for (int64_t r = 0; r < m; ++r) errors[r] = error_scale(hidden + r * k, k);
+  std::vector<float> maxima(workers * m, -INFINITY);  // [slot][row]
+  split_groups(num_groups, num_threads, [&](int64_t begin, int64_t end, int64_t slot) {
+    const HalfPass pass{hidden, m, k, n, packed_half, bounds, errors.data(), nullptr, upper_out, maxima.data() + slot * m};
+    half_groups(pass, kUpperTiles, begin, end);
+  });
+  for (int64_t r = 0; r < m; ++r) {
+    max_out[r] = maxima[r];
+    for (int64_t slot = 1; slot < workers; ++slot)
+      max_out[r] = std::isnan(max_out[r]) || std::isnan(maxima[slot * m + r]) ? NAN : std::max(max_out[r], maxima[slot * m + r]);
+  }
+}
+
+// out[r] = the fp32 logit pegaserve_lm_head computes for row r of hidden and entry columns[r].
+void pegaserve_lm_head_logits_at(const float* hidden, int64_t m, int64_t k, const float* weight,
+                                 const int64_t* columns, float* out) {
+  for (int64_t r = 0; r < m; ++r) out[r] = exact_logit(hidden + r * k, weight + columns[r] * k, k);
 }
 
 }  // extern "C"

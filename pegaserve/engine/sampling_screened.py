@@ -1,0 +1,123 @@
+"""A step's tokens from its hidden states, through the screened LM head (`lm_head.ScreenedHead`, an
+fp16 copy of the weight: half the bytes) where its rows allow it, each with the law it has from the
+full logits:
+
+- A row that wants the raw argmax alone (`sampler.argmax_only`) takes the screened argmax: the full
+  logits' own, bit for bit.
+- A plain sampled row (`draws_by_rejection`: no processing, filter, logprob or draft) is drawn by
+  rejection from upper bounds U_j >= L_j of its fp32 logits L. The sampler's own draw (`_draw`, its
+  cells and floor) proposes j with weight 2^((U_j - max U) * scale); j is accepted with probability
+  2^((L_j - U_j) * scale) <= 1, its one fp32 logit computed for that; else the row proposes again
+  with its next uniforms (`_uniform`'s streams). An accepted token has weight 2^((L_j - max U) *
+  scale) whatever the proposals before it: the law of the draw from the full logits. On the default
+  model U_j - L_j is ~0.4% of the logits' spread, so nearly every first proposal is accepted. A row
+  still rejected after MAX_PROPOSALS, or whose bounds are not finite, is drawn from its full logits.
+  As the sampler's, a seeded row's token depends on its hidden state, seed and position alone.
+- Every other row is sampled from the full logits (`sample_on_device`). A step with such a row
+  gives its greedy rows the full logits too (their weight stream is paid then), never its plain
+  sampled rows, whose draw must not depend on the batch.
+
+Without a screened head (no kernel, a GPU, an fp16 overflow) every row takes the full logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from pegaserve.engine.lm_head import ScreenedHead
+from pegaserve.engine.request import SampledToken
+from pegaserve.engine.sampler import SamplingRow, _filters, argmax_only
+from pegaserve.engine.sampling_device import sample_on_device
+from pegaserve.engine.sampling_draw import _draw, _uniform
+from pegaserve.engine.sampling_filters import _scales
+from pegaserve.engine.sampling_passes import _CELL, _cell_masses, _finite, _unless_all
+
+MAX_PROPOSALS = 16  # a proposal is rejected with probability < 1% on the default model
+
+
+def draws_by_rejection(row: SamplingRow, vocab: int) -> bool:
+    """Whether the row is drawn from the screened head's upper bounds: sampled, from its raw logits
+    at its temperature alone (no processing, filter, logprob or draft)."""
+    params = row.params
+    plain = not row.edited and not row.wants_logprob and row.draft_token_id is None
+    return plain and not params.greedy and not _filters(params, vocab)
+
+
+def sample_hidden(
+    hidden: torch.Tensor,
+    row_of: Sequence[int],
+    rows: Sequence[SamplingRow],
+    head: ScreenedHead | None,
+    full_logits: Callable[[torch.Tensor], torch.Tensor],
+) -> list[SampledToken]:
+    """One token per row of `rows`, row i's from `hidden[row_of[i]]` (`[num_positions, hidden]`),
+    where several rows may share a position; `full_logits` turns hidden rows into fp32 logits."""
+    tokens: list[SampledToken | None] = [None] * len(rows)
+    rest = list(range(len(rows)))
+    if head is not None:
+        drawn = [i for i in rest if draws_by_rejection(rows[i], head.logits.vocab_size)]
+        if drawn:
+            picked, index = _positions(hidden, row_of, drawn)
+            found = _draw_by_rejection(head, picked[index], [rows[i] for i in drawn])
+            for i, token_id in zip(drawn, found):
+                tokens[i] = SampledToken(token_id, None) if token_id >= 0 else None
+        rest = [i for i in rest if tokens[i] is None]
+        if rest and all(argmax_only(rows[i]) for i in rest):
+            picked, index = _positions(hidden, row_of, rest)
+            argmax = head.argmax(picked)[index].tolist()
+            for i, token_id in zip(rest, argmax):
+                tokens[i] = SampledToken(token_id, None)
+            rest = []
+    if rest:
+        picked, index = _positions(hidden, row_of, rest)
+        logits = full_logits(picked)
+        if len(picked) != len(rest):
+            logits = logits[index.to(logits.device)]
+        for i, token in zip(rest, sample_on_device(logits, [rows[i] for i in rest])):
+            tokens[i] = token
+    return tokens  # type: ignore[return-value]  # every row has its token
+
+
+def _positions(hidden: torch.Tensor, row_of: Sequence[int], subset: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The hidden rows of the `subset` of rows, each position once, and each row's index among them."""
+    positions = sorted({row_of[i] for i in subset})
+    where = {position: k for k, position in enumerate(positions)}
+    picked = hidden.index_select(0, torch.tensor(positions, device=hidden.device))
+    return picked, torch.tensor([where[row_of[i]] for i in subset])
+
+
+def _draw_by_rejection(head: ScreenedHead, hidden: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
+    """Row i's token drawn by rejection from `head`'s upper bounds of `hidden[i]`'s logits (the
+    module docstring), or -1 where its full logits must draw it."""
+    upper, row_max = head.upper_logits(hidden)  # [n, vocab], [n, 1]
+    shift, scale = _finite(row_max), _scales(rows)
+    unsettled = torch.full((len(rows),), -1)  # `_draw`'s answer for a row it cannot draw
+    tokens = [-1] * len(rows)
+    pending = [i for i, finite in enumerate(row_max[:, 0].isfinite().tolist()) if finite]
+    if not pending:
+        return tokens
+    massed = torch.tensor(pending)
+    masses = torch.zeros(len(rows), -(-upper.shape[1] // _CELL), dtype=torch.float32)
+    masses[massed] = _cell_masses(upper, shift[massed], scale[massed], _unless_all(massed, len(rows)))
+    no_bound = torch.full((len(rows), 1), float("-inf"))
+    for proposal in range(MAX_PROPOSALS):
+        at = torch.tensor(pending)
+        picked = [rows[i] for i in pending]
+        proposed = _draw(upper, at, row_max[at], shift[at], scale[at], no_bound[at], masses[at], picked,
+                         unsettled[at], stream=2 * proposal)  # fmt: skip
+        columns = proposed.clamp(min=0)
+        exact = head.logits_at(hidden[at], columns).double()
+        ratio = torch.exp2((exact - upper[at, columns].double()) * scale[at, 0].double())  # <= 1
+        uniforms = torch.tensor([_uniform(row, 2 * proposal + 1) for row in picked], dtype=torch.float64)
+        rejected = []
+        for i, token_id, accepted in zip(pending, proposed.tolist(), (uniforms < ratio).tolist()):
+            if token_id >= 0 and accepted:
+                tokens[i] = token_id
+            elif token_id >= 0:
+                rejected.append(i)  # (a row `_draw` cannot draw is left to its full logits)
+        pending = rejected
+        if not pending:
+            break
+    return tokens

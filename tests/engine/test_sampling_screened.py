@@ -1,0 +1,166 @@
+"""Sampling through the screened LM head (`pegaserve/engine/sampling_screened.py`): greedy rows take
+the full logits' argmax, plain sampled rows are drawn by rejection from upper bounds with the law of
+the full logits, and a seeded row's token depends on nothing else in the step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pegaserve.engine import sampling_screened
+from pegaserve.engine.lm_head import CpuLogits, ScreenedHead
+from pegaserve.engine.request import SamplingParams
+from pegaserve.engine.sampler import SamplingRow
+from pegaserve.engine.sampling_screened import draws_by_rejection, sample_hidden
+from tests.engine.helpers import on_each_kernel_build
+from tests.engine.test_sampler import chi_square
+
+needs_kernel = on_each_kernel_build("the full logits sample every row")
+
+VOCAB, HIDDEN = 3000, 64  # three 1024-token cells, the last one short
+NUM_DRAWS, BATCH = 20_000, 2000
+TOP = 15
+CHI2_15_DOF = 37.70  # chi-square with 15 degrees of freedom exceeds this with probability 0.001
+
+
+def _head(seed: int = 0) -> tuple[ScreenedHead, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(VOCAB, HIDDEN, generator=generator) * 0.5
+    hidden = torch.randn(HIDDEN, generator=generator)
+    return ScreenedHead(CpuLogits(weight)), hidden
+
+
+def _row(seed: int | None, position: int = 3, **params) -> SamplingRow:
+    return SamplingRow(SamplingParams(seed=seed, **params), position)
+
+
+class _FullLogits:
+    """`sample_hidden`'s `full_logits`, counting the rows it was asked for."""
+
+    def __init__(self, logits: CpuLogits) -> None:
+        self.logits, self.rows = logits, 0
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.rows += hidden.shape[0]
+        return self.logits(hidden)
+
+
+def _draws(head: ScreenedHead, hidden: torch.Tensor, full: _FullLogits, **params) -> list[int]:
+    tokens = []
+    for first in range(0, NUM_DRAWS, BATCH):
+        rows = [_row(seed, **params) for seed in range(first, first + BATCH)]
+        found = sample_hidden(hidden.expand(BATCH, -1), list(range(BATCH)), rows, head, full)
+        assert all(t.logprob is None and t.top_logprobs == () for t in found)
+        tokens += [t.token_id for t in found]
+    return tokens
+
+
+def _binned_chi_square(tokens: list[int], logits: torch.Tensor, temperature: float) -> float:
+    """Pearson's statistic over the TOP best tokens, one bin each, and one bin for the rest."""
+    probs = torch.softmax(logits.double() / temperature, dim=-1)
+    best = probs.argsort(descending=True)[:TOP]
+    binned = torch.full((VOCAB,), TOP)
+    binned[best] = torch.arange(TOP)
+    bin_probs = torch.zeros(TOP + 1, dtype=torch.float64).index_add_(0, binned, probs)
+    assert bin_probs[:TOP].sum() > 0.3  # the bins hold much of the mass
+    return chi_square(binned[torch.tensor(tokens)].tolist(), bin_probs)
+
+
+@needs_kernel
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.6])
+def test_draws_by_rejection_have_the_full_logits_law(temperature):
+    head, hidden = _head()
+    full = _FullLogits(head.logits)
+
+    tokens = _draws(head, hidden, full, temperature=temperature)
+
+    assert full.rows == 0  # every row settled by rejection
+    assert _binned_chi_square(tokens, head.logits(hidden[None])[0], temperature) < CHI2_15_DOF
+
+
+@needs_kernel
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_looser_bounds_reject_more_and_rows_left_over_take_the_full_logits_with_the_same_law(monkeypatch, temperature):
+    """Bounds 150x too wide are still bounds: most proposals are rejected, a row still rejected after
+    MAX_PROPOSALS (here 3) goes to the full logits, and the tokens keep the law."""
+    head, hidden = _head(seed=1)
+    head._bounds *= 150
+    monkeypatch.setattr(sampling_screened, "MAX_PROPOSALS", 3)
+    full = _FullLogits(head.logits)
+
+    tokens = _draws(head, hidden, full, temperature=temperature)
+
+    assert NUM_DRAWS // 20 < full.rows < NUM_DRAWS  # both ways took rows
+    assert _binned_chi_square(tokens, head.logits(hidden[None])[0], temperature) < CHI2_15_DOF
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_seeded_rows_token_does_not_depend_on_the_rest_of_the_step(threads):
+    """The same seeded rows alone, then among greedy rows, rows with logprobs (the full logits' path)
+    and other sampled rows, on one or two threads: the same tokens."""
+    head, _ = _head(seed=2)
+    generator = torch.Generator().manual_seed(5)
+    hidden = torch.randn(12, HIDDEN, generator=generator)
+    seeded = [_row(100 + i) for i in range(4)]
+    others = [_row(None, temperature=0.0), _row(7, num_top_logprobs=2), _row(None), _row(9, top_p=0.5)] * 2
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        alone = sample_hidden(hidden[:4], [0, 1, 2, 3], seeded, head, head.logits)
+        mixed = sample_hidden(hidden, list(range(12)), seeded + others, head, head.logits)
+        reordered = sample_hidden(hidden.flip(0), list(range(12)), (seeded + others)[::-1], head, head.logits)
+    finally:
+        torch.set_num_threads(before)
+
+    tokens = [t.token_id for t in alone]
+    assert [t.token_id for t in mixed[:4]] == tokens
+    assert [t.token_id for t in reordered[::-1][:4]] == tokens
+    assert mixed[5].logprob is not None and len(mixed[5].top_logprobs) == 2  # its path gave it its logprobs
+    assert mixed[4].token_id == int(head.logits(hidden[4:5]).argmax())
+
+
+@needs_kernel
+def test_rows_sharing_a_position_and_greedy_steps():
+    """Two rows of one position (`row_of`) get that position's hidden state; a step of greedy rows
+    alone takes the screened argmax, which is the full logits' argmax."""
+    head, _ = _head(seed=3)
+    hidden = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(6))
+    greedy = [_row(None, temperature=0.0)] * 4
+    full = _FullLogits(head.logits)
+
+    tokens = sample_hidden(hidden, [0, 0, 2, 1], greedy, head, full)
+
+    argmax = head.logits(hidden).argmax(-1).tolist()
+    assert [t.token_id for t in tokens] == [argmax[0], argmax[0], argmax[2], argmax[1]] and full.rows == 0
+    twice = sample_hidden(hidden, [1, 1], [_row(11), _row(11)], head, full)
+    assert twice[0] == twice[1] and full.rows == 0
+
+
+def test_which_rows_are_drawn_by_rejection():
+    assert draws_by_rejection(_row(None), VOCAB)
+    assert draws_by_rejection(_row(1, temperature=0.3), VOCAB)
+    assert draws_by_rejection(_row(1, top_k=VOCAB), VOCAB)  # a top-k over the whole vocab filters nothing
+    for row in (
+        _row(None, temperature=0.0),  # greedy: the screened argmax
+        _row(None, position=0),  # a choice's first token wants its logprob (rule 22's handoff)
+        _row(None, num_top_logprobs=0),
+        _row(None, top_p=0.9),
+        _row(None, top_k=50),
+        _row(None, min_p=0.1),
+        _row(None, presence_penalty=0.5),
+        _row(None, logit_bias={5: 1.0}),
+        SamplingRow(SamplingParams(), 3, masked_token_ids=frozenset({7})),
+        SamplingRow(SamplingParams(), 3, draft_token_id=5),
+    ):
+        assert not draws_by_rejection(row, VOCAB), row
+
+
+def test_without_a_screened_head_every_row_takes_the_full_logits():
+    weight = torch.randn(500, 32, generator=torch.Generator().manual_seed(4))
+    hidden = torch.randn(2, 32, generator=torch.Generator().manual_seed(8))
+    full = _FullLogits(CpuLogits(weight, allow_kernel=False))
+
+    tokens = sample_hidden(hidden, [0, 1], [_row(1), _row(None, temperature=0.0)], None, full)
+
+    assert full.rows == 2 and tokens[1].token_id == int(full.logits(hidden[1:]).argmax())
