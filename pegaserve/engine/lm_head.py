@@ -166,20 +166,29 @@ class ScreenedHead:
             tokens[unsettled] = self.logits(hidden[unsettled]).argmax(-1)
         return tokens
 
-    def upper_logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [M, K] -> [M, N], [M, 1]
+    def upper_logits(
+        self, hidden: torch.Tensor, scales: torch.Tensor, floor: float, cell: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # [M, K], [M] -> [M, N], [M, 1], [M, cells]
         """An upper bound of each of `logits(hidden)` (its fp16 logit plus its bound), NaN throughout
-        a row the bound cannot cover (a row of norm below 2^-30 or not finite); and each row's
-        largest, NaN where the row has a NaN."""
+        a row the bound cannot cover (a row of norm below 2^-30 or not finite); each row's largest,
+        NaN where the row has a NaN; and per cell of `cell` entries (a multiple of 16), the sum of
+        2^max((upper - largest) * scale, floor), `scales[row]` each row's (the sampler's cell masses
+        of the upper bounds, found on the way)."""
         hidden = self._rows(hidden)
-        upper = torch.empty(hidden.shape[0], self.logits.vocab_size, dtype=torch.float32)
-        row_max = torch.empty(hidden.shape[0], 1, dtype=torch.float32)
-        if len(upper):
+        num_rows, vocab = hidden.shape[0], self.logits.vocab_size
+        if cell % 16 or scales.shape != (num_rows,):
+            raise ValueError(f"cell must be a multiple of 16 and scales one per row, got {cell}, {tuple(scales.shape)}")
+        scales = scales.to(torch.float32).contiguous()
+        upper = torch.empty(num_rows, vocab, dtype=torch.float32)
+        row_max = torch.empty(num_rows, 1, dtype=torch.float32)
+        masses = torch.empty(num_rows, -(-vocab // cell), dtype=torch.float32)
+        if num_rows:
             self._kernel.pegaserve_lm_head_upper(
-                hidden.data_ptr(), len(upper), self.logits.hidden_size, self._packed.data_ptr(),
-                self._bounds.data_ptr(), self.logits.vocab_size, upper.data_ptr(), row_max.data_ptr(),
-                self._threads(len(upper)),
+                hidden.data_ptr(), num_rows, self.logits.hidden_size, self._packed.data_ptr(),
+                self._bounds.data_ptr(), vocab, scales.data_ptr(), floor, cell, upper.data_ptr(),
+                row_max.data_ptr(), masses.data_ptr(), self._threads(num_rows),
             )  # fmt: skip
-        return upper, row_max
+        return upper, row_max, masses
 
     def logits_at(self, hidden: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:  # [M, K], [M] -> [M]
         """`logits(hidden)[r, columns[r]]` for each row r, computed alone, the same float."""
@@ -256,7 +265,21 @@ def _load_kernel() -> ctypes.CDLL | None:
         library.pegaserve_lm_head_argmax.restype = None
         library.pegaserve_lm_head_argmax.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i64]
         library.pegaserve_lm_head_upper.restype = None
-        library.pegaserve_lm_head_upper.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, i64]
+        library.pegaserve_lm_head_upper.argtypes = [
+            ptr,
+            i64,
+            i64,
+            ptr,
+            ptr,
+            i64,
+            ptr,
+            ctypes.c_float,
+            i64,
+            ptr,
+            ptr,
+            ptr,
+            i64,
+        ]
         library.pegaserve_lm_head_logits_at.restype = None
         library.pegaserve_lm_head_logits_at.argtypes = [ptr, i64, i64, ptr, ptr, ptr]
 

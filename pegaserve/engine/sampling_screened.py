@@ -32,7 +32,7 @@ from pegaserve.engine.sampler import SamplingRow, _filters, argmax_only
 from pegaserve.engine.sampling_device import sample_on_device
 from pegaserve.engine.sampling_draw import _draw, _uniform
 from pegaserve.engine.sampling_filters import _scales
-from pegaserve.engine.sampling_passes import _CELL, _cell_masses, _finite, _unless_all
+from pegaserve.engine.sampling_passes import _CELL, _FLOOR, _finite
 
 MAX_PROPOSALS = 16  # a proposal is rejected with probability < 1% on the default model
 
@@ -91,16 +91,14 @@ def _positions(hidden: torch.Tensor, row_of: Sequence[int], subset: list[int]) -
 def _draw_by_rejection(head: ScreenedHead, hidden: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
     """Row i's token drawn by rejection from `head`'s upper bounds of `hidden[i]`'s logits (the
     module docstring), or -1 where its full logits must draw it."""
-    upper, row_max = head.upper_logits(hidden)  # [n, vocab], [n, 1]
-    shift, scale = _finite(row_max), _scales(rows)
+    scale = _scales(rows)  # [n, 1]
+    upper, row_max, masses = head.upper_logits(hidden, scale[:, 0], _FLOOR, _CELL)  # [n, vocab], [n, 1], [n, cells]
+    shift = _finite(row_max)
     unsettled = torch.full((len(rows),), -1)  # `_draw`'s answer for a row it cannot draw
     tokens = [-1] * len(rows)
     pending = [i for i, finite in enumerate(row_max[:, 0].isfinite().tolist()) if finite]
     if not pending:
         return tokens
-    massed = torch.tensor(pending)
-    masses = torch.zeros(len(rows), -(-upper.shape[1] // _CELL), dtype=torch.float32)
-    masses[massed] = _cell_masses(upper, shift[massed], scale[massed], _unless_all(massed, len(rows)))
     no_bound = torch.full((len(rows), 1), float("-inf"))
     for proposal in range(MAX_PROPOSALS):
         at = torch.tensor(pending)

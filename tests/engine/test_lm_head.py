@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pegaserve.engine import cpu_kernels, lm_head
+from pegaserve.engine import cpu_kernels, lm_head, vocab_passes
 from pegaserve.engine.attention import SdpaBackend
 from pegaserve.engine.lm_head import CpuLogits, ScreenedHead, lm_head_reference
 from pegaserve.engine.model_config import ModelConfig
@@ -207,11 +207,18 @@ def test_screened_head_needs_the_kernel_and_a_weight_fp16_can_hold():
         return
     assert ScreenedHead.supports(CpuLogits(weight))
     head = ScreenedHead(CpuLogits(weight))
-    for call in (head.argmax, head.upper_logits, lambda h: head.logits_at(h, torch.zeros(2, dtype=torch.long))):
+    scales = torch.ones(2)
+    for call in (
+        head.argmax,
+        lambda h: head.upper_logits(h, scales, -115.0, 1024),
+        lambda h: head.logits_at(h, torch.zeros(2, dtype=torch.long)),
+    ):
         with pytest.raises(ValueError, match=r"\[rows, 64\]"):
             call(torch.randn(2, 32))
     with pytest.raises(ValueError, match="one vocab index per row"):
         head.logits_at(torch.randn(2, 64), torch.tensor([0, 100]))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        head.upper_logits(torch.randn(2, 64), scales, -115.0, 1000)
     weight[7, 7] = 70_000.0  # past fp16's largest finite value
     assert not ScreenedHead.supports(CpuLogits(weight))
     with pytest.raises(ValueError, match="fp16"):
@@ -222,9 +229,9 @@ def test_screened_head_needs_the_kernel_and_a_weight_fp16_can_hold():
 @pytest.mark.parametrize("num_rows, hidden_size", [(1000, 256), (333, 1024), (97, 600)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_screened_heads_upper_bounds_hold_and_its_logits_are_the_full_heads(num_rows, hidden_size, threads):
-    """Every upper bound is at or above the fp32 logit, by no more than twice the bound, and each row's
-    largest comes with them; a zero row's are NaN (no scale for its bound); `logits_at` gives the
-    full head's floats bit for bit."""
+    """Every upper bound is at or above the fp32 logit, by no more than twice the bound; each row's
+    largest and its cell masses (the sampler's, of the bounds) come with them; a zero row's are NaN
+    (no scale for its bound); `logits_at` gives the full head's floats bit for bit."""
     weight, hidden = _weight_and_hidden(num_rows, hidden_size, 9, seed=2)
     hidden[4] = 0.0
     full = CpuLogits(weight)
@@ -232,7 +239,8 @@ def test_screened_heads_upper_bounds_hold_and_its_logits_are_the_full_heads(num_
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
-        (upper, row_max), logits = head.upper_logits(hidden), full(hidden)
+        scales = torch.linspace(0.5, 3.0, 9)
+        (upper, row_max, masses), logits = head.upper_logits(hidden, scales, -115.0, 64), full(hidden)
     finally:
         torch.set_num_threads(before)
     columns = torch.tensor([0, 5, num_rows - 1, 17, 3, num_rows // 2, 1, 2, num_rows - 2])
@@ -241,6 +249,10 @@ def test_screened_heads_upper_bounds_hold_and_its_logits_are_the_full_heads(num_
     finite[4] = False
     assert upper[4].isnan().all() and upper[finite].isfinite().all()
     assert row_max[4].isnan() and torch.equal(row_max[finite], upper[finite].amax(-1, keepdim=True))
+    found = vocab_passes.cell_masses(upper[finite], row_max[finite], scales[finite, None], None, None, -115.0, 64)
+    # the same sums but for rounding, and for entries under the floor (2^-115 each): theirs at it, ours below
+    torch.testing.assert_close(masses[finite], found, rtol=1e-5, atol=1e-30)
+    assert masses[4].isnan().all()
     assert (upper[finite] >= logits[finite]).all()
     scale = hidden[finite].double().norm(dim=1, keepdim=True)
     slack = 2 * scale * lm_head._screen_bounds(weight, weight.half()).double()[None]

@@ -193,6 +193,13 @@ struct HalfPass {
   Screen* screens;      // [m]: this thread's
   float* upper;         // [m, n]
   float* maxima;        // [m]: this thread's largest upper bound of each row, NaN once one is NaN
+  // The draws' cell masses, this thread's share: per row and cell of `cell` entries, the largest
+  // upper bound seen, and per lane the sum of 2^max((upper - that) * scale, floor).
+  const float* scales;  // [m]
+  float floor;
+  int64_t cell, num_cells;
+  float* cell_max;   // [m, num_cells]
+  float* cell_sums;  // [m, num_cells, kLanes]
 };
 
 // The fp16 logits of up to MT rows x one group, over all of k in one FMA chain. The weight stream
@@ -272,7 +279,8 @@ void screen_tile(const HalfPass& pass, int64_t row, int64_t g, const uint16_t* a
 }
 
 // Rows [row, row + MT) x group g: each entry's upper bound, fp16 logit + error[row] * bound[entry]
-// (NaN throughout a row whose error is NaN), and the rows' maxima so far.
+// (NaN throughout a row whose error is NaN), the rows' maxima so far, and their cells' masses so
+// far (a vector of kLanes entries lies in one cell: cells are whole vectors).
 template <int MT>
 void upper_tile(const HalfPass& pass, int64_t row, int64_t g, const uint16_t* ahead, int64_t ahead_every) {
   Vec acc[MT][kBlocks];
@@ -283,22 +291,51 @@ void upper_tile(const HalfPass& pass, int64_t row, int64_t g, const uint16_t* ah
   for (int i = 0; i < MT; ++i) {
     const Vec error = simd::set1(pass.errors[row + i]);
     float* out = pass.upper + (row + i) * pass.n + col;
+    Vec upper[kBlocks];
     Vec best = none;
     bool nan = false;
 #pragma GCC unroll 3
     for (int j = 0; j < kBlocks; ++j) {
-      const Vec upper = simd::fmadd(error, simd::load(pass.bounds + col + j * kLanes), acc[i][j]);
+      upper[j] = simd::fmadd(error, simd::load(pass.bounds + col + j * kLanes), acc[i][j]);
       const simd::Mask valid = simd::lane_mask(pass.n - col - j * kLanes);
-      nan |= simd::any(simd::both(valid, simd::is_nan(upper)));
-      best = simd::max(best, simd::select(valid, none, upper));
+      nan |= simd::any(simd::both(valid, simd::is_nan(upper[j])));
+      best = simd::max(best, simd::select(valid, none, upper[j]));
       if (pass.n - col >= kGroupCols) {
-        simd::storeu(out + j * kLanes, upper);
+        simd::storeu(out + j * kLanes, upper[j]);
       } else {  // the vocab tail
-        simd::store_masked(out + j * kLanes, valid, upper);
+        simd::store_masked(out + j * kLanes, valid, upper[j]);
       }
     }
+    const float group_max = simd::reduce_max(best);
     float& maximum = pass.maxima[row + i];
-    maximum = nan || std::isnan(maximum) ? NAN : std::max(maximum, simd::reduce_max(best));
+    maximum = nan || std::isnan(maximum) ? NAN : std::max(maximum, group_max);
+    if (std::isnan(maximum)) continue;
+    // Adds vectors [j_begin, j_end) of the group, all in one cell, whose largest is `largest`.
+    const auto add_to_cell = [&](int j_begin, int j_end, float largest) {
+      const int64_t at = (row + i) * pass.num_cells + (col + j_begin * kLanes) / pass.cell;
+      float& cell_max = pass.cell_max[at];
+      float* sums = pass.cell_sums + at * kLanes;
+      Vec sum = simd::loadu(sums);
+      if (largest > cell_max) {  // the sums so far, rescaled to the new largest
+        sum = simd::mul(sum, simd::set1(std::exp2((cell_max - largest) * pass.scales[row + i])));
+        cell_max = largest;
+      }
+      const Vec scale = simd::set1(pass.scales[row + i]), shift = simd::set1(cell_max);
+      for (int j = j_begin; j < j_end; ++j) {
+        const Vec exponent = simd::max(simd::mul(simd::sub(upper[j], shift), scale), simd::set1(pass.floor));
+        sum = simd::select(simd::lane_mask(pass.n - col - j * kLanes), sum, simd::add(sum, simd::exp2(exponent)));
+      }
+      simd::storeu(sums, sum);
+    };
+    const int num_vectors = static_cast<int>(std::min<int64_t>(kBlocks, (pass.n - col + kLanes - 1) / kLanes));
+    if (col / pass.cell == (col + num_vectors * kLanes - 1) / pass.cell) {
+      add_to_cell(0, num_vectors, group_max);  // most groups lie in one cell
+    } else {
+      for (int j = 0; j < num_vectors; ++j) {
+        const simd::Mask valid = simd::lane_mask(pass.n - col - j * kLanes);
+        add_to_cell(j, j + 1, simd::reduce_max(simd::select(valid, none, upper[j])));
+      }
+    }
   }
 }
 
@@ -409,7 +446,9 @@ void pegaserve_lm_head_argmax(const float* hidden, int64_t m, int64_t k, const u
     if (std::isnan(errors[r])) screens[r].failed = true;
   }
   split_groups(num_groups, num_threads, [&](int64_t begin, int64_t end, int64_t slot) {
-    const HalfPass pass{hidden, m, k, n, packed_half, bounds, errors.data(), screens.data() + slot * m, nullptr, nullptr};
+    HalfPass pass{};
+    pass.hidden = hidden, pass.m = m, pass.k = k, pass.n = n, pass.packed = packed_half, pass.bounds = bounds;
+    pass.errors = errors.data(), pass.screens = screens.data() + slot * m;
     half_groups(pass, kScreenTiles, begin, end);
   });
   for (int64_t r = 0; r < m; ++r) argmax_out[r] = settle(hidden + r * k, k, weight, screens.data() + r, workers, m);
@@ -417,22 +456,47 @@ void pegaserve_lm_head_argmax(const float* hidden, int64_t m, int64_t k, const u
 
 // upper_out[m, n]: an upper bound of each fp32 logit pegaserve_lm_head computes, from the same fp16
 // copy and bounds as pegaserve_lm_head_argmax, NaN throughout a row the bound cannot cover;
-// max_out[m]: each row's largest, NaN where the row has a NaN.
+// max_out[m]: each row's largest (NaN where the row has a NaN); masses_out[m, ceil(n / cell)]: per
+// cell of `cell` entries (a multiple of the vector width), the sum of 2^max((upper - max) * scale,
+// floor), scale[m] per row, as vocab_passes.cpp's cell_masses finds them from upper_out (each
+// exponent against its cell's largest, the cell then rescaled: the same sums but for rounding, and for
+// entries more than the floor below the row's largest, which weigh less than the floor here).
 void pegaserve_lm_head_upper(const float* hidden, int64_t m, int64_t k, const uint16_t* packed_half,
-                             const float* bounds, int64_t n, float* upper_out, float* max_out, int64_t num_threads) {
+                             const float* bounds, int64_t n, const float* scales, float floor, int64_t cell,
+                             float* upper_out, float* max_out, float* masses_out, int64_t num_threads) {
   const int64_t num_groups = (n + kGroupCols - 1) / kGroupCols;
   const int64_t workers = num_workers(num_groups, num_threads);
+  const int64_t num_cells = (n + cell - 1) / cell;
   std::vector<float> errors(m);
   for (int64_t r = 0; r < m; ++r) errors[r] = error_scale(hidden + r * k, k);
-  std::vector<float> maxima(workers * m, -INFINITY);  // [slot][row]
+  std::vector<float> maxima(workers * m, -INFINITY);                 // [slot][row]
+  std::vector<float> cell_max(workers * m * num_cells, -INFINITY);   // [slot][row][cell]
+  std::vector<float> cell_sums(workers * m * num_cells * kLanes, 0.0f);
   split_groups(num_groups, num_threads, [&](int64_t begin, int64_t end, int64_t slot) {
-    const HalfPass pass{hidden, m, k, n, packed_half, bounds, errors.data(), nullptr, upper_out, maxima.data() + slot * m};
+    const int64_t cells_at = slot * m * num_cells;
+    const HalfPass pass{hidden, m, k, n, packed_half, bounds, errors.data(), nullptr, upper_out,
+                        maxima.data() + slot * m, scales, floor, cell, num_cells, cell_max.data() + cells_at,
+                        cell_sums.data() + cells_at * kLanes};
     half_groups(pass, kUpperTiles, begin, end);
   });
   for (int64_t r = 0; r < m; ++r) {
-    max_out[r] = maxima[r];
-    for (int64_t slot = 1; slot < workers; ++slot)
-      max_out[r] = std::isnan(max_out[r]) || std::isnan(maxima[slot * m + r]) ? NAN : std::max(max_out[r], maxima[slot * m + r]);
+    float row_max = maxima[r];
+    for (int64_t slot = 1; slot < workers; ++slot) {
+      const float found = maxima[slot * m + r];
+      row_max = std::isnan(row_max) || std::isnan(found) ? NAN : std::max(row_max, found);
+    }
+    max_out[r] = row_max;
+    for (int64_t c = 0; c < num_cells; ++c) {
+      double mass = std::isfinite(row_max) ? 0.0 : NAN;
+      for (int64_t slot = 0; slot < workers && std::isfinite(row_max); ++slot) {
+        const int64_t at = (slot * m + r) * num_cells + c;
+        if (cell_max[at] == -INFINITY) continue;  // no entry of the cell in this thread's share
+        float lanes = 0.0f;
+        for (int lane = 0; lane < kLanes; ++lane) lanes += cell_sums[at * kLanes + lane];
+        mass += lanes * std::exp2(static_cast<double>((cell_max[at] - row_max) * scales[r]));
+      }
+      masses_out[r * num_cells + c] = static_cast<float>(mass);
+    }
   }
 }
 
