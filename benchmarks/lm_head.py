@@ -1,7 +1,8 @@
 """LM head benchmark: the AVX-512 kernel (`pegaserve/engine/lm_head.py`) against oneDNN's prepacked
 linear and a plain `torch.nn.functional.linear`, one thread, fp32, on the default model's head
-(151936 x 256), with the greedy head's screened argmax (`GreedyHead`: its tokens, where the others
-give logits), and the greedy decode step of the engine at batch 16 with each.
+(151936 x 256), with the screened head's argmax and upper bounds (`ScreenedHead`, an fp16 copy of the
+weight: tokens, and bounds with their cell masses, where the others give logits), and the greedy
+decode step of the engine at batch 16 with each.
 
 Microbenchmark: each head called for M rows; best of `--repeats` calls after a warm-up, in rounds
 of one call per head. Each call allocates its output, as the
@@ -36,15 +37,17 @@ def timed_ms(fn: Callable[[], object]) -> float:
 
 def microbenchmark(weight: torch.Tensor, repeats: int) -> None:
     from pegaserve.engine import cpu_kernels  # noqa: PLC0415 - keep --help fast
-    from pegaserve.engine.lm_head import CpuLogits, GreedyHead  # noqa: PLC0415
+    from pegaserve.engine.lm_head import CpuLogits, ScreenedHead  # noqa: PLC0415
 
     start = time.perf_counter()
     kernel = CpuLogits(weight)
     built_s = time.perf_counter() - start
     print(f"kernel head built and packed in {built_s:.2f} s (kernel: {kernel.uses_kernel}, {cpu_kernels.isa()})")
     heads = {"kernel": kernel, "onednn": CpuLogits(weight, allow_kernel=False), "linear": lambda h: F.linear(h, weight)}
-    if GreedyHead.supports(kernel):
-        heads["greedy"] = GreedyHead(kernel)
+    screened = ScreenedHead.of(kernel)
+    if screened is not None:
+        heads["argmax"] = screened.argmax
+        heads["bounds"] = lambda h: screened.upper_logits(h, torch.ones(len(h)), -115.0, 1024)
     print(f"{'rows':>5} " + " ".join(f"{name + ' ms':>10}" for name in heads) + f" {'vs onednn':>10}")
     for num_tokens in ROW_COUNTS:
         hidden = torch.randn(num_tokens, weight.shape[1])
@@ -59,7 +62,7 @@ def microbenchmark(weight: torch.Tensor, repeats: int) -> None:
 
 
 def decode_steps(engine, num_steps: int) -> None:
-    from pegaserve.engine.lm_head import CpuLogits, GreedyHead  # noqa: PLC0415
+    from pegaserve.engine.lm_head import CpuLogits, ScreenedHead  # noqa: PLC0415
     from pegaserve.engine.request import EngineRequest, SamplingParams  # noqa: PLC0415
     from pegaserve.stop import StopPolicy  # noqa: PLC0415
 
@@ -67,8 +70,9 @@ def decode_steps(engine, num_steps: int) -> None:
     weight = model.lm_head.weight
     kernel = CpuLogits(weight)
     heads = {"kernel": (kernel, None), "onednn": (CpuLogits(weight, allow_kernel=False), None)}
-    if GreedyHead.supports(kernel):
-        heads["greedy"] = (kernel, GreedyHead(kernel))
+    screened = ScreenedHead.of(kernel)
+    if screened is not None:
+        heads["screened"] = (kernel, screened)
     policy = StopPolicy(2 * num_steps + 8, eos_token_ids=engine.model_config.eos_token_ids, ignore_eos=True)
     generator = torch.Generator().manual_seed(0)
     for i in range(DECODE_BATCH):
@@ -78,12 +82,12 @@ def decode_steps(engine, num_steps: int) -> None:
         engine.step()
     times: dict[str, list[float]] = {name: [] for name in heads}
     for _ in range(num_steps):
-        for name, (head, greedy) in heads.items():
-            model._cpu_logits, model._greedy_head = head, greedy  # the model keeps heads built from this weight
+        for name, (head, screened) in heads.items():
+            model._cpu_logits, model._screened_head = head, screened  # the model keeps heads built from this weight
             start = time.perf_counter()
             engine.step()
             times[name].append((time.perf_counter() - start) * 1e3)
-    model._cpu_logits, model._greedy_head = heads.get("greedy", heads["kernel"])
+    model._cpu_logits, model._screened_head = heads.get("screened", heads["kernel"])
     medians = {name: statistics.median(found) for name, found in times.items()}
     steps = ", ".join(f"{name} {ms:.2f} ms ({ms / medians['onednn']:.2f}x onednn's)" for name, ms in medians.items())
     print(f"greedy decode step at batch {DECODE_BATCH}, medians of {num_steps}: {steps}")

@@ -130,26 +130,26 @@ class CpuLogits:
 class ScreenedHead:
     """The LM head read through an fp16 copy of its weight, with each logit's error bound (the module
     docstring): each row's greedy token (`argmax`), upper bounds of all its logits (`upper_logits`)
-    and single fp32 logits (`logits_at`), each exactly what `logits` computes or bounds. Needs
-    `logits` to run the kernel (`CpuLogits.uses_kernel`) and a weight finite in fp16 (`supports`)."""
+    and single fp32 logits (`logits_at`), each exactly what `logits` computes or bounds. Built by
+    `of`, where `logits` runs the kernel and its weight is finite in fp16."""
 
-    def __init__(self, logits: CpuLogits) -> None:
-        if not self.supports(logits):
-            raise ValueError("ScreenedHead needs a CpuLogits that runs the kernel, over a weight finite in fp16")
+    def __init__(self, logits: CpuLogits, half: torch.Tensor) -> None:
         self.logits = logits
         self._kernel = logits._kernel
         weight = logits.weight.detach()
         self._weight = weight.contiguous()  # the fp32 rows of the candidates
         group_cols = self._kernel.pegaserve_lm_head_group_cols()
-        half = weight.to(torch.float16)
         self._packed = _pack(half, group_cols)
         self._bounds = torch.zeros(self._packed.shape[0] * group_cols, dtype=torch.float32)
         self._bounds[: weight.shape[0]] = _screen_bounds(weight, half)
 
-    @staticmethod
-    def supports(logits: CpuLogits) -> bool:
-        fits = logits.uses_kernel and torch.isfinite(logits.weight.detach().to(torch.float16)).all()  # |w| < 65520
-        return bool(fits)
+    @classmethod
+    def of(cls, logits: CpuLogits) -> ScreenedHead | None:
+        """The screened head of `logits`; None where it runs no kernel or fp16 cannot hold its weight."""
+        if not logits.uses_kernel:
+            return None
+        half = logits.weight.detach().to(torch.float16)
+        return cls(logits, half) if bool(torch.isfinite(half).all()) else None  # |w| < 65520
 
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M] int64
         """Each row's `logits(hidden).argmax(-1)` (the first of equal maxima), bit for bit."""

@@ -162,5 +162,5 @@ class Qwen3ForCausalLM(nn.Module):
             return None
         if self._cpu_logits is None or self._cpu_logits.weight is not weight:
             self._cpu_logits = CpuLogits(weight)
-            self._screened_head = ScreenedHead(self._cpu_logits) if ScreenedHead.supports(self._cpu_logits) else None
+            self._screened_head = ScreenedHead.of(self._cpu_logits)
         return self._cpu_logits

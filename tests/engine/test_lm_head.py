@@ -115,7 +115,7 @@ def test_no_rows_and_strided_rows():
 
 def _screened_and_full(weight: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     head = CpuLogits(weight)
-    return ScreenedHead(head).argmax(hidden), head(hidden).argmax(-1)
+    return ScreenedHead.of(head).argmax(hidden), head(hidden).argmax(-1)
 
 
 @needs_kernel
@@ -202,11 +202,10 @@ def test_greedy_head_falls_back_where_the_bound_does_not_hold():
 
 def test_screened_head_needs_the_kernel_and_a_weight_fp16_can_hold():
     weight, _ = _weight_and_hidden(100, 64, 1)
-    assert not ScreenedHead.supports(CpuLogits(weight, allow_kernel=False))
+    assert ScreenedHead.of(CpuLogits(weight, allow_kernel=False)) is None
     if cpu_kernels.isa() is None:
         return
-    assert ScreenedHead.supports(CpuLogits(weight))
-    head = ScreenedHead(CpuLogits(weight))
+    head = ScreenedHead.of(CpuLogits(weight))
     scales = torch.ones(2)
     for call in (
         head.argmax,
@@ -220,9 +219,7 @@ def test_screened_head_needs_the_kernel_and_a_weight_fp16_can_hold():
     with pytest.raises(ValueError, match="multiple of 16"):
         head.upper_logits(torch.randn(2, 64), scales, -115.0, 1000)
     weight[7, 7] = 70_000.0  # past fp16's largest finite value
-    assert not ScreenedHead.supports(CpuLogits(weight))
-    with pytest.raises(ValueError, match="fp16"):
-        ScreenedHead(CpuLogits(weight))
+    assert ScreenedHead.of(CpuLogits(weight)) is None
 
 
 @needs_kernel
@@ -235,7 +232,7 @@ def test_screened_heads_upper_bounds_hold_and_its_logits_are_the_full_heads(num_
     weight, hidden = _weight_and_hidden(num_rows, hidden_size, 9, seed=2)
     hidden[4] = 0.0
     full = CpuLogits(weight)
-    head = ScreenedHead(full)
+    head = ScreenedHead.of(full)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)

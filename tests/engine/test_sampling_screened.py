@@ -27,7 +27,7 @@ def _head(seed: int = 0) -> tuple[ScreenedHead, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     weight = torch.randn(VOCAB, HIDDEN, generator=generator) * 0.5
     hidden = torch.randn(HIDDEN, generator=generator)
-    return ScreenedHead(CpuLogits(weight)), hidden
+    return ScreenedHead.of(CpuLogits(weight)), hidden
 
 
 def _row(seed: int | None, position: int = 3, **params) -> SamplingRow:
