@@ -83,11 +83,12 @@ def decode_steps(engine, num_steps: int) -> None:
     times: dict[str, list[float]] = {name: [] for name in heads}
     for _ in range(num_steps):
         for name, (head, screened) in heads.items():
-            model._cpu_logits, model._screened_head = head, screened  # the model keeps heads built from this weight
+            model._cpu_logits, model._screened = head, (head, screened)  # the model keeps heads built from this weight
             start = time.perf_counter()
             engine.step()
             times[name].append((time.perf_counter() - start) * 1e3)
-    model._cpu_logits, model._screened_head = heads.get("screened", heads["kernel"])
+    head, screened = heads.get("screened", heads["kernel"])
+    model._cpu_logits, model._screened = head, (head, screened)
     medians = {name: statistics.median(found) for name, found in times.items()}
     steps = ", ".join(f"{name} {ms:.2f} ms ({ms / medians['onednn']:.2f}x onednn's)" for name, ms in medians.items())
     print(f"greedy decode step at batch {DECODE_BATCH}, medians of {num_steps}: {steps}")

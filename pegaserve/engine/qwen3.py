@@ -127,7 +127,7 @@ class Qwen3ForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._cpu_logits: CpuLogits | None = None  # built from lm_head.weight on first use
-        self._screened_head: ScreenedHead | None = None  # with it, where the kernel runs
+        self._screened: tuple[CpuLogits, ScreenedHead | None] | None = None  # built on first use, for that head
 
     def forward(
         self,
@@ -145,22 +145,27 @@ class Qwen3ForCausalLM(nn.Module):
         return self.lm_head(hidden).float()  # [rows, vocab]
 
     def screened_head(self) -> ScreenedHead | None:
-        """The head read through an fp16 copy of its weight (`lm_head.ScreenedHead`: half the bytes),
-        bounding or matching `compute_logits` exactly, where the CPU kernel runs; else None."""
-        return self._screened_head if self._cpu_lm_head() is not None else None
+        """The head read through an fp16 copy of its weight (`lm_head.ScreenedHead`: half the bytes,
+        and as much memory again), bounding or matching `compute_logits` exactly, where the CPU
+        kernel runs; else None. Built on first use (a prefill-only engine never asks for it)."""
+        head = self._cpu_lm_head()
+        if head is None:
+            return None
+        if self._screened is None or self._screened[0] is not head:
+            self._screened = (head, ScreenedHead.of(head))
+        return self._screened[1]
 
     def _cpu_lm_head(self) -> CpuLogits | None:
         """The LM head with its weight packed for the CPU kernel, for fp32 on the CPU (else None).
 
         The head (vocab x hidden, ~150k rows) is most of a small model's decode step; the packed
         copy (`lm_head.py`) is ~1.7x faster than oneDNN's at 16 rows and gives the same fp32 dot
-        products. It is built on first use, with the screened head beside it, and rebuilt if the
-        weight is replaced (the loader assigns and re-ties weights after construction).
+        products. It is built on first use and rebuilt if the weight is replaced (the loader
+        assigns and re-ties weights after construction).
         """
         weight = self.lm_head.weight
         if not CpuLogits.supports(weight):
             return None
         if self._cpu_logits is None or self._cpu_logits.weight is not weight:
             self._cpu_logits = CpuLogits(weight)
-            self._screened_head = ScreenedHead.of(self._cpu_logits)
         return self._cpu_logits

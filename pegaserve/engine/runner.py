@@ -21,9 +21,12 @@ SCORE_CHUNK_ROWS = 64  # prompt logprobs: LM-head rows at a time (never [prompt_
 
 
 class ModelRunner:
-    def __init__(self, model, num_blocks: int, block_size: int, device: str = "cpu") -> None:
+    def __init__(self, model, num_blocks: int, block_size: int, device: str = "cpu", *, screened: bool = True) -> None:
         cfg = model.config
         self.model = model
+        # The model's screened head, where it has one and this engine samples past first tokens (not
+        # a prefill-only engine: its rows all want their logprob, and the head costs memory).
+        self._screened_head = getattr(model, "screened_head", None) if screened else None
         self.block_size = block_size
         self.device = device
         shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
@@ -75,8 +78,7 @@ class ModelRunner:
         if not rows:
             return tuple(() for _ in output.requests)
         picked = hidden.index_select(0, torch.tensor(flat, device=hidden.device))  # [num_positions, hidden]
-        screened_head = getattr(self.model, "screened_head", None)  # models without one sample the logits
-        head = screened_head() if screened_head is not None else None
+        head = self._screened_head() if self._screened_head is not None else None
         tokens = iter(sample_hidden(picked, row_of, rows, head, lambda h: self.model.compute_logits(h).float()))
         return tuple(tuple(itertools.islice(tokens, len(r.samples))) for r in output.requests)
 

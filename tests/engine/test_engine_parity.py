@@ -6,7 +6,7 @@ from transformers import Qwen3ForCausalLM
 
 from pegaserve.engine.build import load_engine
 from pegaserve.engine import lm_head
-from pegaserve.engine.engine import EngineConfig
+from pegaserve.engine.engine import EngineConfig, Role
 from tests.engine.helpers import PROMPTS, greedy_request, run_to_completion, token_ids
 
 NEW_TOKENS = 32
@@ -60,3 +60,16 @@ def test_decode_steps_of_argmax_rows_take_the_screened_head(tiny_model_dir, refe
         assert all(t.logprob is not None for out in outputs.values() for o in out for t in o.tokens)
     else:
         assert (len(found) >= NEW_TOKENS - 1) == lm_head.has_kernel()  # every decode step where it runs
+
+
+@pytest.mark.parametrize("role", [Role.PREFILL, Role.BOTH])
+def test_only_an_engine_that_decodes_builds_the_screened_head(tiny_model_dir, role):
+    """A prefill engine samples first tokens alone, which want their logprob (the handoff carries
+    it): it never builds the fp16 copy, which costs half the head's memory again."""
+    engine = load_engine(tiny_model_dir, EngineConfig(role=role, num_blocks=64), attention_backend="sdpa")
+    engine.add_request(greedy_request("r", PROMPTS[1], 4))
+    for _ in range(4):
+        engine.step()
+
+    built = engine.runner.model._screened is not None
+    assert built == (role is Role.BOTH and lm_head.has_kernel())
