@@ -147,7 +147,8 @@ class Qwen3ForCausalLM(nn.Module):
     def screened_head(self) -> ScreenedHead | None:
         """The head read through an fp16 copy of its weight (`lm_head.ScreenedHead`: half the bytes,
         and as much memory again), bounding or matching `compute_logits` exactly, where the CPU
-        kernel runs; else None. Built on first use (a prefill-only engine never asks for it)."""
+        kernel runs; else None. Built on first use (the runner of an engine that decodes asks for it as
+        it starts; a prefill-only engine never does)."""
         head = self._cpu_lm_head()
         if head is None:
             return None

@@ -25,8 +25,11 @@ class ModelRunner:
         cfg = model.config
         self.model = model
         # The model's screened head, where it has one and this engine samples past first tokens (not
-        # a prefill-only engine: its rows all want their logprob, and the head costs memory).
+        # a prefill-only engine: its rows all want their logprob, and the head costs memory); built
+        # now (~0.7 s for the default model) rather than in the first decode step.
         self._screened_head = getattr(model, "screened_head", None) if screened else None
+        if self._screened_head is not None:
+            self._screened_head()
         self.block_size = block_size
         self.device = device
         shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)

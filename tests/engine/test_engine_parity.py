@@ -65,11 +65,17 @@ def test_decode_steps_of_argmax_rows_take_the_screened_head(tiny_model_dir, refe
 @pytest.mark.parametrize("role", [Role.PREFILL, Role.BOTH])
 def test_only_an_engine_that_decodes_builds_the_screened_head(tiny_model_dir, role):
     """A prefill engine samples first tokens alone, which want their logprob (the handoff carries
-    it): it never builds the fp16 copy, which costs half the head's memory again."""
+    it): it never builds the fp16 copy, which costs half the head's memory again; an engine that
+    decodes builds it as it starts, not in its first decode step (where the kernel runs)."""
     engine = load_engine(tiny_model_dir, EngineConfig(role=role, num_blocks=64), attention_backend="sdpa")
+    model = engine.runner.model
+
+    def built() -> bool:  # (the model keeps (head, screened head or None) once asked)
+        return model._screened is not None and model._screened[1] is not None
+
+    built_at_start = built()
     engine.add_request(greedy_request("r", PROMPTS[1], 4))
     for _ in range(4):
         engine.step()
 
-    built = engine.runner.model._screened is not None
-    assert built == (role is Role.BOTH and lm_head.has_kernel())
+    assert built_at_start == built() == (role is Role.BOTH and lm_head.has_kernel())
