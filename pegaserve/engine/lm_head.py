@@ -142,6 +142,7 @@ class ScreenedHead:
         self._packed = _pack(half, group_cols)
         self._bounds = torch.zeros(self._packed.shape[0] * group_cols, dtype=torch.float32)
         self._bounds[: weight.shape[0]] = _screen_bounds(weight, half)
+        self.mean_bound = float(self._bounds[: weight.shape[0]].double().mean())  # times |x|: a row's typical slack
 
     @classmethod
     def of(cls, logits: CpuLogits) -> ScreenedHead | None:

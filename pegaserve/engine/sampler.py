@@ -71,6 +71,7 @@ class SamplingRow:
     output_token_ids: tuple[int, ...] = ()  # generated so far (presence/frequency/repetition)
     prompt_token_ids: tuple[int, ...] = ()  # repetition_penalty covers prompt + output
     draft_token_id: int | None = None  # a speculative proposal for this position
+    stream: int = 0  # where its uniforms start among those of its (seed, position) (sampling_draw._uniform)
 
     @property
     def edited(self) -> bool:

@@ -80,11 +80,13 @@ def _search(cumulative: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def _uniform(row: SamplingRow, stream: int = 0) -> float:
-    """The row's uniform in [0, 1): a hash of (seed, position, stream), or fresh entropy when
-    unseeded. Stream 0 is the draw's; a draw by rejection (sampling_screened.py) reads more."""
+    """The row's uniform in [0, 1): a hash of (seed, position, row.stream + stream), or fresh entropy
+    when unseeded. Stream 0 is the draw's; a draw by rejection (sampling_screened.py) reads more,
+    and a row it leaves to the full logits draws there from the streams after them."""
     seed = row.params.seed
     if seed is None:
         return _UNSEEDED.random()
+    stream += row.stream
     key = _mix64(_mix64(seed & _MASK64) ^ (row.num_output_tokens & _MASK64))
     if stream:
         key = _mix64(key ^ _mix64(stream & _MASK64))

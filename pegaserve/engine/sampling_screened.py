@@ -10,9 +10,13 @@ full logits:
   2^((L_j - U_j) * scale) <= 1, its one fp32 logit computed for that; else the row proposes again
   with its next uniforms (`_uniform`'s streams). An accepted token has weight 2^((L_j - max U) *
   scale) whatever the proposals before it: the law of the draw from the full logits. On the default
-  model U_j - L_j is ~0.4% of the logits' spread, so nearly every first proposal is accepted. A row
-  still rejected after MAX_PROPOSALS, or whose bounds are not finite, is drawn from its full logits.
-  As the sampler's, a seeded row's token depends on its hidden state, seed and position alone.
+  model U_j - L_j is ~0.07 nats where the mass is (|x| times the bounds' mean predicts it), so ~93%
+  of proposals at temperature 1 are accepted; a row whose typical slack at its temperature is over
+  MAX_SLACK (the default model: temperatures under ~0.14) takes its full logits instead of many
+  proposals. A row still rejected after MAX_PROPOSALS, or whose bounds are not finite, is drawn from
+  its full logits with the uniforms after those its proposals read: a fresh draw, so the law holds
+  whatever its proposals were. As the sampler's, a seeded row's token depends on its hidden state,
+  seed and position alone.
 - Every other row is sampled from the full logits (`sample_on_device`). A step with such a row
   gives its greedy rows the full logits too (their weight stream is paid then), never its plain
   sampled rows, whose draw must not depend on the batch.
@@ -22,6 +26,8 @@ Without a screened head (no kernel, a GPU, an fp16 overflow) every row takes the
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -34,7 +40,8 @@ from pegaserve.engine.sampling_draw import _draw, _uniform
 from pegaserve.engine.sampling_filters import _scales
 from pegaserve.engine.sampling_passes import _CELL, _FLOOR, _finite
 
-MAX_PROPOSALS = 16  # a proposal is rejected with probability < 1% on the default model
+MAX_PROPOSALS = 16  # at MAX_SLACK a proposal is accepted with probability ~exp(-MAX_SLACK)
+MAX_SLACK = 0.5  # nats: |x| * mean bound / temperature, above which a row takes its full logits
 
 
 def draws_by_rejection(row: SamplingRow, vocab: int) -> bool:
@@ -56,13 +63,21 @@ def sample_hidden(
     where several rows may share a position; `full_logits` turns hidden rows into fp32 logits."""
     tokens: list[SampledToken | None] = [None] * len(rows)
     rest = list(range(len(rows)))
+    rows = list(rows)
     if head is not None:
         drawn = [i for i in rest if draws_by_rejection(rows[i], head.logits.vocab_size)]
         if drawn:
             picked, index = _positions(hidden, row_of, drawn)
+            slack = picked.detach().float().norm(dim=1).cpu()[index] * head.mean_bound
+            close = slack * _scales([rows[i] for i in drawn])[:, 0] <= MAX_SLACK * math.log2(math.e)  # in log2 units
+            drawn, index = [i for i, ok in zip(drawn, close.tolist()) if ok], index[close]
+        if drawn:
             found = _draw_by_rejection(head, picked[index], [rows[i] for i in drawn])
             for i, token_id in zip(drawn, found):
-                tokens[i] = SampledToken(token_id, None) if token_id >= 0 else None
+                if token_id >= 0:
+                    tokens[i] = SampledToken(token_id, None)
+                else:  # its full logits draw it, from uniforms its proposals did not read
+                    rows[i] = dataclasses.replace(rows[i], stream=rows[i].stream + 2 * MAX_PROPOSALS)
         rest = [i for i in rest if tokens[i] is None]
         if rest and all(argmax_only(rows[i]) for i in rest):
             picked, index = _positions(hidden, row_of, rest)

@@ -4,6 +4,8 @@ the full logits, and a seeded row's token depends on nothing else in the step.""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -79,19 +81,58 @@ def test_draws_by_rejection_have_the_full_logits_law(temperature):
 
 
 @needs_kernel
-@pytest.mark.parametrize("temperature", [1.0, 0.6])
-def test_looser_bounds_reject_more_and_rows_left_over_take_the_full_logits_with_the_same_law(monkeypatch, temperature):
+@pytest.mark.parametrize(("temperature", "proposals"), [(1.0, 3), (0.6, 3), (1.0, 1)])
+def test_looser_bounds_reject_more_and_rows_left_over_take_the_full_logits_with_the_same_law(
+    monkeypatch, temperature, proposals
+):
     """Bounds 150x too wide are still bounds: most proposals are rejected, a row still rejected after
-    MAX_PROPOSALS (here 3) goes to the full logits, and the tokens keep the law."""
+    MAX_PROPOSALS goes to the full logits, with uniforms its proposals did not read (after one
+    rejected proposal, the first uniform would land it near the token just rejected), and the
+    tokens keep the law."""
     head, hidden = _head(seed=1)
     head._bounds *= 150
-    monkeypatch.setattr(sampling_screened, "MAX_PROPOSALS", 3)
+    monkeypatch.setattr(sampling_screened, "MAX_PROPOSALS", proposals)
+    monkeypatch.setattr(sampling_screened, "MAX_SLACK", float("inf"))  # keep the rows on the bounds
     full = _FullLogits(head.logits)
 
     tokens = _draws(head, hidden, full, temperature=temperature)
 
     assert NUM_DRAWS // 20 < full.rows < NUM_DRAWS  # both ways took rows
     assert _binned_chi_square(tokens, head.logits(hidden[None])[0], temperature) < CHI2_15_DOF
+
+
+@needs_kernel
+def test_a_row_left_to_its_full_logits_draws_with_uniforms_its_proposals_did_not_read(monkeypatch):
+    """3 nats of slack on the runner-up alone: its proposals are mostly rejected, and with one
+    proposal allowed those rows go to the full logits. Drawn there with the first uniform again,
+    they would land on the runner-up (chi-square ~1500 here); with fresh ones the law holds."""
+    head, hidden = _head(seed=1)
+    logits = head.logits(hidden[None])[0]
+    runner_up = int(logits.argsort(descending=True)[1])
+    head._bounds[runner_up] += 3.0 / float(hidden.norm())
+    monkeypatch.setattr(sampling_screened, "MAX_PROPOSALS", 1)
+    monkeypatch.setattr(sampling_screened, "MAX_SLACK", float("inf"))
+    full = _FullLogits(head.logits)
+
+    tokens = _draws(head, hidden, full, temperature=1.0)
+
+    assert full.rows > NUM_DRAWS // 4
+    assert _binned_chi_square(tokens, logits, 1.0) < CHI2_15_DOF
+
+
+@needs_kernel
+def test_a_row_whose_bounds_are_loose_at_its_temperature_takes_the_full_logits():
+    """The slack |x| * mean bound, over the temperature, decides: a cold row would be rejected
+    again and again, so its full logits draw it at once."""
+    head, hidden = _head(seed=4)
+    slack = float(hidden.norm()) * head.mean_bound
+    hot, cold = slack / (0.5 * sampling_screened.MAX_SLACK), slack / (2 * sampling_screened.MAX_SLACK)
+    full = _FullLogits(head.logits)
+
+    sample_hidden(hidden[None], [0], [_row(1, temperature=hot)], head, full)
+    assert full.rows == 0
+    sample_hidden(hidden[None], [0], [_row(1, temperature=cold)], head, full)
+    assert full.rows == 1
 
 
 @needs_kernel
@@ -164,3 +205,12 @@ def test_without_a_screened_head_every_row_takes_the_full_logits():
     tokens = sample_hidden(hidden, [0, 1], [_row(1), _row(None, temperature=0.0)], None, full)
 
     assert full.rows == 2 and tokens[1].token_id == int(full.logits(hidden[1:]).argmax())
+
+
+def test_a_rows_stream_shifts_its_uniforms_and_stream_zero_is_the_draws_own():
+    from pegaserve.engine.sampling_draw import _mix64, _uniform  # noqa: PLC0415
+
+    row = _row(7, position=5)
+    assert _uniform(row) == (_mix64(_mix64(7) ^ 5) >> 11) * 2.0**-53  # the hash every draw used before
+    assert _uniform(dataclasses.replace(row, stream=32)) == _uniform(row, 32) != _uniform(row)
+    assert _uniform(dataclasses.replace(row, stream=32), 1) == _uniform(row, 33)
