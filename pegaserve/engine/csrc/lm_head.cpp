@@ -47,12 +47,17 @@ constexpr int64_t kChunk = 512;
 constexpr int64_t kPrefetchL1Steps = 32 * 16 / kLanes;  // 6 KiB ahead
 constexpr int64_t kPrefetchL2Bytes = 96 * 1024;
 
-// One tile: out[0:MT, 0:kGroupCols] (+)= a[0:MT, 0:k_size] @ w[0:k_size, 0:kGroupCols]. `ahead` is
-// this tile's slice of the group to prefetch, one k step of it every `ahead_every` k steps.
-template <int MT>
-void tile(const float* a, int64_t lda, const float* w, int64_t k_size, float* c, int64_t ldc, int64_t valid_cols,
-          bool accumulate, const float* ahead, int64_t ahead_every) {
-  Vec acc[MT][kBlocks];
+// kLanes weights as fp32: the packed fp32 copy's (64-byte aligned), or the fp16 copy's (exactly).
+inline Vec load_weights(const float* p) { return simd::load(p); }
+inline Vec load_weights(const uint16_t* p) { return simd::load_half(p); }
+
+// acc[0:MT, 0:kGroupCols] = a[0:MT, 0:k_size] @ w[0:k_size, 0:kGroupCols], each output one FMA chain
+// over k in order; W is the packed copy's element (fp32, or fp16's 16 bits). `ahead` is this tile's
+// slice of the group to prefetch, one k step of it every `ahead_every` k steps.
+template <int MT, typename W>
+__attribute__((always_inline)) inline void group_sums(const float* a, int64_t lda, const W* w, int64_t k_size,
+                                                      const W* ahead, int64_t ahead_every, Vec (&acc)[MT][kBlocks]) {
+  constexpr int64_t kPerLine = 64 / sizeof(W);  // weights per cache line
   int64_t countdown = 1;
 #pragma GCC unroll 8
   for (int i = 0; i < MT; ++i)
@@ -61,20 +66,20 @@ void tile(const float* a, int64_t lda, const float* w, int64_t k_size, float* c,
 
 #pragma GCC unroll 2
   for (int64_t k = 0; k < k_size; ++k) {
-    const float* wk = w + k * kGroupCols;
+    const W* wk = w + k * kGroupCols;
 #pragma GCC unroll 3
-    for (int j = 0; j < kBlocks; ++j)
-      _mm_prefetch(reinterpret_cast<const char*>(wk + kPrefetchL1Steps * kGroupCols + j * kLanes), _MM_HINT_T0);
+    for (int64_t j = 0; j < kGroupCols; j += kPerLine)
+      _mm_prefetch(reinterpret_cast<const char*>(wk + kPrefetchL1Steps * kGroupCols + j), _MM_HINT_T0);
     if (--countdown == 0) {
       countdown = ahead_every;
 #pragma GCC unroll 3
-      for (int j = 0; j < kBlocks; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + j * kLanes), _MM_HINT_T1);
+      for (int64_t j = 0; j < kGroupCols; j += kPerLine)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + j), _MM_HINT_T1);
       ahead += kGroupCols;
     }
-    const Vec w0 = simd::load(wk);
-    const Vec w1 = simd::load(wk + kLanes);
-    const Vec w2 = simd::load(wk + 2 * kLanes);
+    const Vec w0 = load_weights(wk);
+    const Vec w1 = load_weights(wk + kLanes);
+    const Vec w2 = load_weights(wk + 2 * kLanes);
 #pragma GCC unroll 8
     for (int i = 0; i < MT; ++i) {
       const Vec x = simd::set1(a[i * lda + k]);
@@ -83,6 +88,14 @@ void tile(const float* a, int64_t lda, const float* w, int64_t k_size, float* c,
       acc[i][2] = simd::fmadd(x, w2, acc[i][2]);
     }
   }
+}
+
+// One tile: out[0:MT, 0:kGroupCols] (+)= a[0:MT, 0:k_size] @ w[0:k_size, 0:kGroupCols] (group_sums).
+template <int MT>
+void tile(const float* a, int64_t lda, const float* w, int64_t k_size, float* c, int64_t ldc, int64_t valid_cols,
+          bool accumulate, const float* ahead, int64_t ahead_every) {
+  Vec acc[MT][kBlocks];
+  group_sums<MT>(a, lda, w, k_size, ahead, ahead_every, acc);
 
   if (valid_cols >= kGroupCols) {
 #pragma GCC unroll 8
@@ -202,48 +215,12 @@ struct HalfPass {
   float* cell_sums;  // [m, num_cells, kLanes]
 };
 
-// The fp16 logits of up to MT rows x one group, over all of k in one FMA chain. The weight stream
-// and its prefetches are the fp32 tile's at half the bytes (a k step of a group: kGroupCols * 2 bytes).
-template <int MT>
-__attribute__((always_inline)) inline void half_sums(const float* a, int64_t lda, const uint16_t* w, int64_t k_size,
-                                                  const uint16_t* ahead, int64_t ahead_every, Vec (&acc)[MT][kBlocks]) {
-  int64_t countdown = 1;
-#pragma GCC unroll 8
-  for (int i = 0; i < MT; ++i)
-#pragma GCC unroll 3
-    for (int j = 0; j < kBlocks; ++j) acc[i][j] = simd::zero();
-
-  constexpr int64_t kLineHalves = 64 / sizeof(uint16_t);  // fp16 values per cache line
-#pragma GCC unroll 2
-  for (int64_t k = 0; k < k_size; ++k) {
-    const uint16_t* wk = w + k * kGroupCols;
-    for (int64_t j = 0; j < kGroupCols; j += kLineHalves)
-      _mm_prefetch(reinterpret_cast<const char*>(wk + kPrefetchL1Steps * kGroupCols + j), _MM_HINT_T0);
-    if (--countdown == 0) {
-      countdown = ahead_every;
-      for (int64_t j = 0; j < kGroupCols; j += kLineHalves)
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + j), _MM_HINT_T1);
-      ahead += kGroupCols;
-    }
-    const Vec w0 = simd::load_half(wk);
-    const Vec w1 = simd::load_half(wk + kLanes);
-    const Vec w2 = simd::load_half(wk + 2 * kLanes);
-#pragma GCC unroll 8
-    for (int i = 0; i < MT; ++i) {
-      const Vec x = simd::set1(a[i * lda + k]);
-      acc[i][0] = simd::fmadd(x, w0, acc[i][0]);
-      acc[i][1] = simd::fmadd(x, w1, acc[i][1]);
-      acc[i][2] = simd::fmadd(x, w2, acc[i][2]);
-    }
-  }
-}
-
 // Rows [row, row + MT) x group g: each entry's bounds, fp16 logit -/+ error[row] * bound[entry],
 // into the rows' screens.
 template <int MT>
 void screen_tile(const HalfPass& pass, int64_t row, int64_t g, const uint16_t* ahead, int64_t ahead_every) {
   Vec acc[MT][kBlocks];
-  half_sums<MT>(pass.hidden + row * pass.k, pass.k, pass.packed + g * pass.k * kGroupCols, pass.k, ahead,
+  group_sums<MT>(pass.hidden + row * pass.k, pass.k, pass.packed + g * pass.k * kGroupCols, pass.k, ahead,
                 ahead_every, acc);
   const int64_t col = g * kGroupCols;
   const Vec none = simd::set1(-INFINITY);
@@ -284,7 +261,7 @@ void screen_tile(const HalfPass& pass, int64_t row, int64_t g, const uint16_t* a
 template <int MT>
 void upper_tile(const HalfPass& pass, int64_t row, int64_t g, const uint16_t* ahead, int64_t ahead_every) {
   Vec acc[MT][kBlocks];
-  half_sums<MT>(pass.hidden + row * pass.k, pass.k, pass.packed + g * pass.k * kGroupCols, pass.k, ahead,
+  group_sums<MT>(pass.hidden + row * pass.k, pass.k, pass.packed + g * pass.k * kGroupCols, pass.k, ahead,
                 ahead_every, acc);
   const int64_t col = g * kGroupCols;
   const Vec none = simd::set1(-INFINITY);
