@@ -75,7 +75,9 @@ class PairChannel(ABC):
         writes the bytes in the caller's thread."""
         self.send_blocks(cache, source_ids, target_ids, staging)
         ok = verdict()
-        self.post_send(torch.tensor([int(ok)], dtype=torch.int32, device=cache.device), _VERDICT_TAG).wait()
+        flag = staging.flag(cache.device)
+        flag.fill_(int(ok))
+        self.post_send(flag, _VERDICT_TAG).wait()
         return ok
 
     def start_recv(self, cache: torch.Tensor, source_ids: Sequence[int], target_ids: Sequence[int],
@@ -83,7 +85,7 @@ class PairChannel(ABC):
         """`send_with_verdict`'s other side: posts the receives now where the channel can (gloo), so
         the bytes flow as soon as the peer sends, before any thread is scheduled here, and returns
         the rest, which blocks (for a worker thread) and returns the sender's verdict."""
-        flag = torch.zeros(1, dtype=torch.int32, device=cache.device)
+        flag = staging.flag(cache.device)
         if self.posts_at_once:
             finish = self._post_recvs(cache, source_ids, target_ids, staging)
             flag_work = self.post_recv(flag, _VERDICT_TAG)
@@ -166,7 +168,7 @@ def slab_runs(cache: torch.Tensor, source_ids: Sequence[int], target_ids: Sequen
     if not source_ids:
         return []
     runs = list(block_runs(list(source_ids), list(target_ids)))
-    slab_bytes = len(source_ids) * cache[0, 0, 0].numel() * cache.element_size() // len(runs)
+    slab_bytes = len(source_ids) * block_bytes(cache) // (cache.shape[0] * 2 * len(runs))
     return runs if slab_bytes >= MIN_SLAB_BYTES else None
 
 
@@ -190,10 +192,18 @@ def packed_shape(cache: torch.Tensor, num_blocks: int) -> tuple[int, ...]:
 
 
 class Staging:
-    """One pair's reusable staging buffer: a transfer of a size seen before touches no new page."""
+    """One pair's reusable staging buffer, and its verdict's: a transfer of a size seen before touches
+    no new page (the pair's transfers follow one another, so one buffer serves them all)."""
 
     def __init__(self) -> None:
         self._storage: torch.Tensor | None = None
+        self._flag: torch.Tensor | None = None
+
+    def flag(self, device: torch.device) -> torch.Tensor:
+        """The one int32 of a verdict."""
+        if self._flag is None or self._flag.device != device:
+            self._flag = torch.zeros(1, dtype=torch.int32, device=device)
+        return self._flag
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         numel = 1

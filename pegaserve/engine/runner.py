@@ -172,6 +172,9 @@ def block_runs(source_ids: list[int], target_ids: list[int]) -> Iterator[Run]:
     target id, length): ascending slices of both caches that hold the same blocks in the same order."""
     assert len(source_ids) == len(target_ids), (len(source_ids), len(target_ids))
     start, n = 0, len(source_ids)
+    if n and _ascending(source_ids) and _ascending(target_ids):  # the usual case, at C speed
+        yield source_ids[0], target_ids[0], n
+        return
     while start < n:
         end, step = start + 1, None
         while end < n:
@@ -182,6 +185,11 @@ def block_runs(source_ids: list[int], target_ids: list[int]) -> Iterator[Run]:
         last = end - 1
         yield min(source_ids[start], source_ids[last]), min(target_ids[start], target_ids[last]), end - start
         start = end
+
+
+def _ascending(ids: list[int]) -> bool:
+    """Whether `ids` are consecutive, rising by 1."""
+    return ids == list(range(ids[0], ids[0] + len(ids)))
 
 
 def _block_copy():

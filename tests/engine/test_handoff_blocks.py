@@ -39,6 +39,9 @@ def test_block_runs_pair_stretches_that_step_alike():
     assert list(block_runs([1, 2, 3], [5, 4, 3])) == [(1, 5, 1), (2, 4, 1), (3, 3, 1)]  # opposite directions
     assert list(block_runs([4, 5, 6, 5], [0, 1, 2, 3])) == [(4, 0, 3), (5, 3, 1)]  # a change of direction
     assert list(block_runs([], [])) == []
+    assert list(block_runs([4, 5, 6], [9, 10, 11])) == [(4, 9, 3)]  # one rising run on both sides
+    assert list(block_runs([7], [2])) == [(7, 2, 1)]
+    assert list(block_runs([4, 5, 6], [9, 10, 12])) == [(4, 9, 2), (6, 12, 1)]  # rising on one side only
 
 
 @pytest.mark.parametrize("trial", range(40))
