@@ -3,7 +3,9 @@
 The same 32 prompts (16-128 tokens, deterministic) x 64 new tokens, greedy, EOS ignored, fp32,
 in one process. pegaserve gets all 32 requests at once and steps until done, with at most
 `max_num_seqs` sequences running (16, then 32); transformers runs batches of 16, left-padded, with
-EOS switched off (and, for reference, with min_new_tokens instead). Everything is warmed up first
+EOS switched off (and, for reference, with min_new_tokens instead). At batch 16 pegaserve also
+samples, seeded, at temperature 1 alone, with presence and frequency penalties, and with top_p 0.95
+(`SAMPLED_VARIANTS`: what clients send), each against its greedy time. Everything is warmed up first
 and the timed runs are interleaved; the best run counts. Throughput counts output tokens only,
 over the whole run (prefill included). A benchmark, not a test: it asserts nothing about speed.
 
@@ -30,6 +32,13 @@ REFERENCE_BATCH = 16
 ENGINE_BATCHES = (16, 32)
 PROMPT_SEED = 1234
 SAMPLED = "pegaserve t=1"  # the same engine, temperature 1 with a seed per request (the API's default)
+# What else clients send, at batch 16: penalties (processing the bounds take too), a top-p filter
+# (the full logits' path)
+SAMPLED_VARIANTS = {
+    SAMPLED: {"temperature": 1.0},
+    "t=1 penalties": {"temperature": 1.0, "presence_penalty": 0.5, "frequency_penalty": 0.5},
+    "t=1 top_p=0.95": {"temperature": 1.0, "top_p": 0.95},
+}
 FIRST_ORDINARY_ID, LAST_ORDINARY_ID = 100, 150_000  # clear of the special ids (151643+)
 
 
@@ -72,10 +81,10 @@ def make_engine(model_dir: Path, max_num_seqs: int, num_blocks: int | None = Non
 
 
 def run_engine(
-    engine, prompts: list[list[int]], tag: str, new_tokens: int = NEW_TOKENS, temperature: float = 0.0
+    engine, prompts: list[list[int]], tag: str, new_tokens: int = NEW_TOKENS, temperature: float = 0.0, **sampling
 ) -> tuple[float, list[list[int]]]:
-    """Submit every prompt (EOS ignored; greedy, or sampled at `temperature` with a seed each),
-    step until done; (seconds, tokens per prompt)."""
+    """Submit every prompt (EOS ignored; greedy, or sampled at `temperature` with a seed each and
+    `sampling`'s other parameters), step until done; (seconds, tokens per prompt)."""
     from pegaserve.engine.offline import run_until_idle, token_ids  # noqa: PLC0415
     from pegaserve.engine.request import EngineRequest, SamplingParams  # noqa: PLC0415
     from pegaserve.stop import StopPolicy  # noqa: PLC0415
@@ -84,8 +93,8 @@ def run_engine(
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
     start = time.perf_counter()
     for i, (rid, prompt) in enumerate(zip(ids, prompts)):
-        sampling = SamplingParams(temperature=temperature, seed=i)
-        engine.add_request(EngineRequest(rid, tuple(prompt), sampling, policy))
+        params = SamplingParams(temperature=temperature, seed=i, **sampling)
+        engine.add_request(EngineRequest(rid, tuple(prompt), params, policy))
     outputs = run_until_idle(engine, max_steps(len(prompts), new_tokens))
     seconds = time.perf_counter() - start
     return seconds, [token_ids(outputs.get(rid, [])) for rid in ids]
@@ -157,7 +166,8 @@ def main(argv: list[str] | None = None) -> None:
         run_reference(reference, config, prompts[:REFERENCE_BATCH], REFERENCE_BATCH)
     for batch, engine in engines.items():
         run_engine(engine, prompts[:batch], "warmup")
-    run_engine(engines[REFERENCE_BATCH], prompts[:REFERENCE_BATCH], "warmup-t1", temperature=1.0)
+    for name, sampling in SAMPLED_VARIANTS.items():
+        run_engine(engines[REFERENCE_BATCH], prompts[:REFERENCE_BATCH], f"warmup-{name}", **sampling)
     runs: dict[tuple[str, int], list[float]] = {}
     tokens: dict[tuple[str, int], list[list[int]]] = {}
     for repeat in range(args.repeats):
@@ -167,9 +177,10 @@ def main(argv: list[str] | None = None) -> None:
         for batch, engine in engines.items():
             seconds, tokens["pegaserve", batch] = run_engine(engine, prompts, f"run{repeat}")
             runs.setdefault(("pegaserve", batch), []).append(seconds)
-        seconds, tokens[SAMPLED, REFERENCE_BATCH] = run_engine(
-            engines[REFERENCE_BATCH], prompts, f"t1-{repeat}", temperature=1.0)
-        runs.setdefault((SAMPLED, REFERENCE_BATCH), []).append(seconds)
+        for name, sampling in SAMPLED_VARIANTS.items():
+            seconds, tokens[name, REFERENCE_BATCH] = run_engine(
+                engines[REFERENCE_BATCH], prompts, f"{name}-{repeat}", **sampling)
+            runs.setdefault((name, REFERENCE_BATCH), []).append(seconds)
 
     results = []
     for (name, batch), seconds in runs.items():
@@ -201,6 +212,9 @@ def main(argv: list[str] | None = None) -> None:
     sampled = by_key[SAMPLED, REFERENCE_BATCH]
     print(f"sampled (temperature 1, seeded) / greedy time at batch {REFERENCE_BATCH}: "
           f"{sampled.seconds / ours.seconds:.2f}x (target <= 1.2x)")
+    for name in list(SAMPLED_VARIANTS)[1:]:
+        print(f"sampled, {name.removeprefix('t=1 ')} / greedy time at batch {REFERENCE_BATCH}: "
+              f"{by_key[name, REFERENCE_BATCH].seconds / ours.seconds:.2f}x")
 
     if args.json:
         args.json.write_text(json.dumps({

@@ -15,9 +15,9 @@ A draw is an inverse-CDF sample with one uniform per row, hashed from (seed, pos
 row's token depends on nothing else in the batch, on preemption, or on which replica (prefill or
 decode) samples it. A speculative draft's mass comes first in the CDF: the same uniform accepts the
 draft with probability p(draft) and otherwise samples p without it, renormalized, which is an exact
-sample from p either way. (Where the runner has the screened LM head, a plain sampled row is drawn
-by rejection from upper bounds of its logits instead, with the same law and more uniforms of the
-same hash: sampling_screened.py.)
+sample from p either way. (Where the runner has the screened LM head, a sampled row without filter,
+logprob or draft is drawn by rejection from upper bounds of its processed logits instead, with the
+same law and more uniforms of the same hash: sampling_screened.py.)
 
 A vocabulary is ~150k wide, so passes over it dominate a small model's step. Every row costs a
 chunked max that finds the argmax; a chunked exp2-sum gives both the log-normalizer and the inverse

@@ -6,7 +6,8 @@ over the rows that use it, and a no-op when none do; all of them write into the 
 from __future__ import annotations
 
 import array
-from collections.abc import Iterable
+import dataclasses
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,6 +20,28 @@ def _edit(work: torch.Tensor, rows: list[SamplingRow]) -> None:
     _add_bias(work, rows)
     _apply_penalties(work, rows)
     _mask(work, rows)
+
+
+def edit_at(values: torch.Tensor, columns: Sequence[int], rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Row i's processed logit at `columns[i]` from its raw one `values[i]` (float32): the very ops
+    `_edit` applies there in a whole row, on a one-column copy of each row that keeps only what bears
+    on that column (as column 0), so the two are the same float."""
+    work = values.reshape(-1, 1).clone()
+    _edit(work, [_at_column(row, column) for row, column in zip(rows, columns)])
+    return work[:, 0]
+
+
+def _at_column(row: SamplingRow, column: int) -> SamplingRow:
+    if not row.edited:
+        return row
+    params = row.params
+    return dataclasses.replace(
+        row,
+        params=dataclasses.replace(params, logit_bias=tuple((0, b) for t, b in params.logit_bias if t == column)),
+        masked_token_ids=frozenset({0}) if column in row.masked_token_ids else frozenset(),
+        output_token_ids=(0,) * row.output_token_ids.count(column),
+        prompt_token_ids=(0,) * row.prompt_token_ids.count(column),
+    )
 
 
 def _add_bias(work: torch.Tensor, rows: list[SamplingRow]) -> None:

@@ -12,7 +12,8 @@ import torch
 from pegaserve.engine import sampling_screened
 from pegaserve.engine.lm_head import CpuLogits, ScreenedHead
 from pegaserve.engine.request import SamplingParams
-from pegaserve.engine.sampler import SamplingRow
+from pegaserve.engine.sampler import SamplingRow, process_logits
+from pegaserve.engine.sampling_processing import edit_at
 from pegaserve.engine.sampling_screened import draws_by_rejection, sample_hidden
 from tests.engine.helpers import on_each_kernel_build
 from tests.engine.test_sampler import chi_square
@@ -122,8 +123,8 @@ def test_a_row_left_to_its_full_logits_draws_with_uniforms_its_proposals_did_not
 
 @needs_kernel
 def test_a_row_whose_bounds_are_loose_at_its_temperature_takes_the_full_logits():
-    """The slack |x| * mean bound, over the temperature, decides: a cold row would be rejected
-    again and again, so its full logits draw it at once."""
+    """The slack |x| * mean bound, over the temperature, decides (stretched by a repetition
+    penalty): a cold row would be rejected again and again, so its full logits draw it at once."""
     head, hidden = _head(seed=4)
     slack = float(hidden.norm()) * head.mean_bound
     hot, cold = slack / (0.5 * sampling_screened.MAX_SLACK), slack / (2 * sampling_screened.MAX_SLACK)
@@ -133,6 +134,70 @@ def test_a_row_whose_bounds_are_loose_at_its_temperature_takes_the_full_logits()
     assert full.rows == 0
     sample_hidden(hidden[None], [0], [_row(1, temperature=cold)], head, full)
     assert full.rows == 1
+    warm = slack / (0.7 * sampling_screened.MAX_SLACK)  # 0.7 of the slack allowed
+    sample_hidden(hidden[None], [0], [_row(1, temperature=warm)], head, full)
+    assert full.rows == 1
+    for penalty in (2.0, 0.5):  # scales a logit by up to 2: twice the slack
+        full.rows = 0
+        sample_hidden(hidden[None], [0], [_row(1, temperature=warm, repetition_penalty=penalty)], head, full)
+        assert full.rows == 1, penalty
+
+
+def _processed_row(logits: torch.Tensor, seed: int, temperature: float) -> SamplingRow:
+    """A row whose processing moves the mass every way it can: the best token masked, the next ones
+    penalized (repetition over prompt and output, presence and frequency over the output), one of
+    rank 20 lifted by a bias of +3 (above its bound: only processed bounds propose it often enough)
+    and one of rank 3 lowered."""
+    order = logits.argsort(descending=True).tolist()
+    params = SamplingParams(
+        seed=seed, temperature=temperature, presence_penalty=0.4, frequency_penalty=0.3, repetition_penalty=1.3,
+        logit_bias=((order[20], 3.0), (order[3], -1.5)),
+    )
+    output = (order[1], order[1], order[2], order[5], order[40])
+    return SamplingRow(params, 3, masked_token_ids=frozenset({order[0]}), output_token_ids=output,
+                       prompt_token_ids=(order[2], order[6], order[6]))
+
+
+@needs_kernel
+@pytest.mark.parametrize(("temperature", "looser", "proposals"), [(1.0, 1, 16), (0.7, 1, 16), (1.0, 150, 3)])
+def test_processed_rows_drawn_by_rejection_have_the_processed_logits_law(monkeypatch, temperature, looser, proposals):
+    """Bias, penalties and a min_tokens mask applied to the bounds and to the exact logit alike keep
+    the law of the processed full logits; with bounds 150x too wide, rows left over to the full
+    logits keep it too."""
+    head, hidden = _head(seed=7)
+    head._bounds *= looser
+    monkeypatch.setattr(sampling_screened, "MAX_PROPOSALS", proposals)
+    monkeypatch.setattr(sampling_screened, "MAX_SLACK", float("inf") if looser > 1 else sampling_screened.MAX_SLACK)
+    logits = head.logits(hidden[None])[0]
+    full = _FullLogits(head.logits)
+    tokens = []
+    for first in range(0, NUM_DRAWS, BATCH):
+        rows = [_processed_row(logits, seed, temperature) for seed in range(first, first + BATCH)]
+        assert all(draws_by_rejection(row, VOCAB) for row in rows)
+        tokens += [t.token_id for t in sample_hidden(hidden.expand(BATCH, -1), list(range(BATCH)), rows, head, full)]
+
+    processed = process_logits(logits[None], [_processed_row(logits, 0, temperature)])[0]
+    assert (full.rows == 0) == (looser == 1)
+    assert int(logits.argmax()) not in tokens  # masked
+    assert _binned_chi_square(tokens, processed, temperature) < CHI2_15_DOF
+
+
+def test_edit_at_is_the_full_rows_processing_at_each_column():
+    """The one-column processing the rejection draw checks a proposal with is the same float as the
+    whole row's, at every column of rows with every kind of processing (and of none)."""
+    generator = torch.Generator().manual_seed(9)
+    logits = torch.randn(4, 300, generator=generator) * 4
+    logits[:, :3] = torch.tensor([0.0, -0.0, float("-inf")])
+    rows = [_processed_row(logits[0], 1, 1.0), _row(2),
+            SamplingRow(SamplingParams(repetition_penalty=0.7, logit_bias=((4, 0.1), (4, 0.2))), 5,
+                        prompt_token_ids=(4, 4, 9, 1), output_token_ids=(0, 2)),
+            SamplingRow(SamplingParams(frequency_penalty=-0.3, presence_penalty=1e-8), 2,
+                        masked_token_ids=frozenset({7, 8}), output_token_ids=(7, 9, 9, 9, 11))]
+    processed = process_logits(logits, rows)
+    columns = list(range(logits.shape[1]))
+    for i, row in enumerate(rows):
+        at = edit_at(logits[i], columns, [row] * len(columns))
+        assert torch.equal(at, processed[i]), i
 
 
 @needs_kernel
@@ -179,19 +244,25 @@ def test_rows_sharing_a_position_and_greedy_steps():
 
 
 def test_which_rows_are_drawn_by_rejection():
-    assert draws_by_rejection(_row(None), VOCAB)
-    assert draws_by_rejection(_row(1, temperature=0.3), VOCAB)
-    assert draws_by_rejection(_row(1, top_k=VOCAB), VOCAB)  # a top-k over the whole vocab filters nothing
+    for row in (
+        _row(None),
+        _row(1, temperature=0.3),
+        _row(1, top_k=VOCAB),  # a top-k over the whole vocab filters nothing
+        _row(None, presence_penalty=0.5),  # processing is applied to the bounds
+        _row(None, repetition_penalty=1.2),
+        _row(None, logit_bias=((5, 1.0),)),
+        SamplingRow(SamplingParams(), 3, masked_token_ids=frozenset({7})),
+    ):
+        assert draws_by_rejection(row, VOCAB), row
     for row in (
         _row(None, temperature=0.0),  # greedy: the screened argmax
+        _row(None, temperature=0.0, presence_penalty=0.5),
         _row(None, position=0),  # a choice's first token wants its logprob (rule 22's handoff)
         _row(None, num_top_logprobs=0),
         _row(None, top_p=0.9),
         _row(None, top_k=50),
         _row(None, min_p=0.1),
-        _row(None, presence_penalty=0.5),
-        _row(None, logit_bias={5: 1.0}),
-        SamplingRow(SamplingParams(), 3, masked_token_ids=frozenset({7})),
+        _row(None, presence_penalty=0.5, top_p=0.9),
         SamplingRow(SamplingParams(), 3, draft_token_id=5),
     ):
         assert not draws_by_rejection(row, VOCAB), row
