@@ -21,11 +21,14 @@ _FLOOR = -80.0 * _LOG2_E  # exp() of under -80 is < 2e-35: weightless, and kept 
 _TOP_P_BUCKETS = 4096  # histogram slices of the exponent range; top-p sorts one slice's tokens
 
 
-def max_argmax_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's max (`[rows, 1]`) and `torch.argmax` (`[rows]`) of `[rows, vocab]` logits."""
-    found = vocab_passes.max_argmax(logits)
+def max_argmax_rows(logits: torch.Tensor, row_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's max (`[rows, 1]`) and `torch.argmax` (`[rows]`) of `[rows, vocab]` logits (the
+    rows `row_ids`; None: all)."""
+    found = vocab_passes.max_argmax(logits, row_ids)
     if found is not None:
         return found
+    if row_ids is not None:
+        logits = logits.index_select(0, row_ids)
     argmax = argmax_rows(logits)
     return logits.gather(1, argmax[:, None]), argmax
 

@@ -43,7 +43,7 @@ from pegaserve.engine.sampler import SamplingRow, _filters, argmax_only
 from pegaserve.engine.sampling_device import sample_on_device
 from pegaserve.engine.sampling_draw import _draw, _uniform
 from pegaserve.engine.sampling_filters import _scales
-from pegaserve.engine.sampling_passes import _CELL, _FLOOR, _cell_masses, _finite
+from pegaserve.engine.sampling_passes import _CELL, _FLOOR, _cell_masses, _finite, max_argmax_rows
 from pegaserve.engine.sampling_processing import _edit, edit_at
 
 MAX_PROPOSALS = 16  # at MAX_SLACK a proposal is accepted with probability ~exp(-MAX_SLACK)
@@ -126,7 +126,7 @@ def _draw_by_rejection(head: ScreenedHead, hidden: torch.Tensor, rows: Sequence[
     if edited:  # their bounds processed, and their maxima and masses found anew
         _edit(upper, list(rows))
         index = torch.tensor(edited)
-        row_max[index] = upper.index_select(0, index).amax(dim=1, keepdim=True)
+        row_max[index] = max_argmax_rows(upper, index)[0]
         masses[index] = _cell_masses(upper, _finite(row_max[index]), scale[index], index)
     shift = _finite(row_max)
     unsettled = torch.full((len(rows),), -1)  # `_draw`'s answer for a row it cannot draw

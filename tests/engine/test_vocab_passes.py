@@ -38,6 +38,15 @@ def test_max_argmax_is_torchs(vocab):
     assert torch.equal(argmax, x[rows].argmax(-1))
 
 
+def test_max_argmax_of_some_rows_is_torchs_on_either_path(monkeypatch):
+    x = logits(6, 4097, seed=3)
+    rows = torch.tensor([5, 1, 1])
+    for _ in range(2):  # the kernel, then torch's path
+        maxima, argmax = sampling_passes.max_argmax_rows(x, rows)
+        assert torch.equal(argmax, x[rows].argmax(-1)) and torch.equal(maxima[:, 0], x[rows].amax(-1))
+        monkeypatch.setattr(vocab_passes, "_library", lambda: None)
+
+
 def test_a_nan_counts_as_the_max_as_in_torch():
     x = logits(2, 300)
     x[0, 7], x[0, 100] = float("nan"), float("nan")

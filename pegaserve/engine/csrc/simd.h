@@ -47,6 +47,7 @@ inline Mask lane_mask(int64_t valid) {
   return static_cast<Mask>((1u << valid) - 1u);
 }
 inline Mask both(Mask a, Mask b) { return a & b; }
+inline Mask either(Mask a, Mask b) { return a | b; }
 inline bool any(Mask m) { return m != 0; }
 inline int count(Mask m) { return __builtin_popcount(m); }
 inline uint32_t lane_bits(Mask m) { return m; }  // bit i: lane i
@@ -115,6 +116,7 @@ inline Mask lane_mask(int64_t valid) {
   return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
 }
 inline Mask both(Mask a, Mask b) { return _mm256_and_ps(a, b); }
+inline Mask either(Mask a, Mask b) { return _mm256_or_ps(a, b); }
 inline bool any(Mask m) { return _mm256_movemask_ps(m) != 0; }
 inline int count(Mask m) { return __builtin_popcount(_mm256_movemask_ps(m)); }
 inline uint32_t lane_bits(Mask m) { return static_cast<uint32_t>(_mm256_movemask_ps(m)); }

@@ -42,6 +42,12 @@ Vec exponents(Vec v, Vec shift, Vec scale, Vec lower, bool bounded, Vec floor) {
   return simd::max(e, floor);  // a NaN exponent becomes the floor
 }
 
+// Passes keep kChains independent accumulators, each over every kChains-th vector of a block: one
+// chain's compare or add waits on its last, and several let the loads and the math run ahead.
+constexpr int kChains = 4;
+constexpr int64_t kBlock = kChains * kLanes;
+static_assert(kChains == 4, "pegaserve_cell_masses adds its chains in a tree of four");
+
 // The bucket of each of kLanes exponents (at or below 0; the floor and below: the last bucket).
 IVec buckets_of(Vec e, Vec to_bucket, IVec last) { return simd::min_i(simd::truncate(simd::mul(e, to_bucket)), last); }
 
@@ -52,35 +58,55 @@ extern "C" {
 
 void pegaserve_max_argmax(const float* x, int64_t ld, int64_t vocab, const int64_t* row_ids, int64_t n, float* max_out,
                           int64_t* argmax_out) {
-  const IVec step = simd::set1_i(kLanes);
+  const int64_t blocked = vocab - vocab % kBlock;
+  const IVec block_step = simd::set1_i(kBlock), step = simd::set1_i(kLanes);
   for (int64_t r = 0; r < n; ++r) {
     const float* row = row_of(x, ld, row_ids, r);
-    Vec best = simd::set1(-INFINITY);
-    IVec best_at = simd::set1_i(0);
-    IVec at = simd::iota();
-    bool nan = false;
-    for (int64_t c = 0; c < vocab; c += kLanes) {
+    Vec best[kChains];
+    IVec best_at[kChains], at[kChains];
+    for (int k = 0; k < kChains; ++k) {
+      best[k] = simd::set1(-INFINITY);
+      best_at[k] = simd::set1_i(0);
+      at[k] = simd::add_i(simd::iota(), simd::set1_i(k * kLanes));
+    }
+    Mask nan = simd::lane_mask(0);
+    for (int64_t c = 0; c < blocked; c += kBlock) {
+      for (int k = 0; k < kChains; ++k) {
+        const Vec v = simd::loadu(row + c + k * kLanes);
+        nan = simd::either(nan, simd::is_nan(v));
+        const Mask better = simd::greater(v, best[k]);  // strict: each lane keeps its first
+        best[k] = simd::select(better, best[k], v);
+        best_at[k] = simd::select_i(better, best_at[k], at[k]);
+        at[k] = simd::add_i(at[k], block_step);
+      }
+    }
+    IVec tail_at = simd::add_i(simd::iota(), simd::set1_i(static_cast<int32_t>(blocked)));
+    for (int64_t c = blocked; c < vocab; c += kLanes) {  // the tail, on the first chain (its indices are all later)
       const Mask valid = simd::lane_mask(vocab - c);
       const Vec v = simd::load_or(valid, row + c, simd::set1(-INFINITY));
-      nan |= simd::any(simd::both(valid, simd::is_nan(v)));
-      const Mask better = simd::greater(v, best);  // strict: each lane keeps its first
-      best = simd::select(better, best, v);
-      best_at = simd::select_i(better, best_at, at);
-      at = simd::add_i(at, step);
+      nan = simd::either(nan, simd::both(valid, simd::is_nan(v)));
+      const Mask better = simd::greater(v, best[0]);
+      best[0] = simd::select(better, best[0], v);
+      best_at[0] = simd::select_i(better, best_at[0], tail_at);
+      tail_at = simd::add_i(tail_at, step);
     }
-    if (nan) {  // rare: find the first NaN
+    if (simd::any(nan)) {  // rare: find the first NaN
       int64_t c = 0;
       while (!std::isnan(row[c])) ++c;
       max_out[r] = row[c];
       argmax_out[r] = c;
       continue;
     }
-    const float top = simd::reduce_max(best);
-    const Mask holders = simd::equal(best, simd::set1(top));
+    float top = -INFINITY;
+    for (int k = 0; k < kChains; ++k) top = std::max(top, simd::reduce_max(best[k]));
     // the lowest index among lanes holding the max (an all -inf row: every lane, index 0)
-    const IVec candidates = simd::select_i(holders, simd::set1_i(INT32_MAX), best_at);
+    int32_t first = INT32_MAX;
+    for (int k = 0; k < kChains; ++k) {
+      const Mask holders = simd::equal(best[k], simd::set1(top));
+      first = std::min(first, simd::reduce_min_i(simd::select_i(holders, simd::set1_i(INT32_MAX), best_at[k])));
+    }
     max_out[r] = top;
-    argmax_out[r] = simd::any(holders) ? simd::reduce_min_i(candidates) : 0;
+    argmax_out[r] = first;
   }
 }
 
@@ -95,14 +121,22 @@ void pegaserve_cell_masses(const float* x, int64_t ld, int64_t vocab, const int6
     const Vec lower_v = simd::set1(lower ? lower[r] : -INFINITY);
     for (int64_t k = 0; k < num_cells; ++k) {
       const int64_t first = k * cell, last = std::min(vocab, first + cell);
-      Vec sum = simd::zero();
-      for (int64_t c = first; c < last; c += kLanes) {
+      const int64_t blocked = first + (last - first) / kBlock * kBlock;
+      Vec sums[kChains];
+      for (Vec& sum : sums) sum = simd::zero();
+      for (int64_t c = first; c < blocked; c += kBlock) {
+        for (int j = 0; j < kChains; ++j) {
+          const Vec v = simd::loadu(row + c + j * kLanes);
+          sums[j] = simd::add(sums[j], simd::exp2(exponents(v, shift_v, scale_v, lower_v, lower != nullptr, floor_v)));
+        }
+      }
+      for (int64_t c = blocked; c < last; c += kLanes) {  // the short last cell's tail, on the first chain
         const Mask valid = simd::lane_mask(last - c);
         const Vec v = simd::loadz(valid, row + c);
         const Vec w = simd::exp2(exponents(v, shift_v, scale_v, lower_v, lower != nullptr, floor_v));
-        sum = simd::select(valid, sum, simd::add(sum, w));
+        sums[0] = simd::select(valid, sums[0], simd::add(sums[0], w));
       }
-      out[r * num_cells + k] = simd::reduce_add(sum);
+      out[r * num_cells + k] = simd::reduce_add(simd::add(simd::add(sums[0], sums[1]), simd::add(sums[2], sums[3])));
     }
   }
 }
