@@ -153,15 +153,27 @@ void pegaserve_top_p_bound(const float* x, int64_t ld, int64_t vocab, const int6
   const IVec last_bucket = simd::set1_i(static_cast<int32_t>(num_buckets - 1));
   std::vector<float> mass(kCopies * num_buckets);
   std::vector<float> found(vocab + kLanes);
-  alignas(64) int32_t b_lanes[kLanes];
-  alignas(64) float w_lanes[kLanes];
+  alignas(64) int32_t b_lanes[kBlock];
+  alignas(64) float w_lanes[kBlock];
+  const int64_t blocked = vocab - vocab % kBlock;
   for (int64_t r = 0; r < n; ++r) {
     const float* row = row_of(x, ld, row_ids, r);
     const Vec shift_v = simd::set1(shift[r]), scale_v = simd::set1(scale[r]);
     const float row_lower = lower ? lower[r] : -INFINITY;
     const Vec lower_v = simd::set1(row_lower);
     std::fill(mass.begin(), mass.end(), 0.0f);
-    for (int64_t c = 0; c < vocab; c += kLanes) {
+    // a block's buckets and weights at once (its vectors' math overlaps), then added in column order
+    // (column c to copy c % kCopies, as a vector at a time did)
+    for (int64_t c = 0; c < blocked; c += kBlock) {
+      for (int j = 0; j < kChains; ++j) {
+        const Vec e = exponents(simd::loadu(row + c + j * kLanes), shift_v, scale_v, lower_v, lower != nullptr,
+                                floor_v);
+        simd::store_i(b_lanes + j * kLanes, buckets_of(e, to_bucket, last_bucket));
+        simd::store(w_lanes + j * kLanes, simd::exp2(e));
+      }
+      for (int64_t i = 0; i < kBlock; ++i) mass[(i % kCopies) * num_buckets + b_lanes[i]] += w_lanes[i];
+    }
+    for (int64_t c = blocked; c < vocab; c += kLanes) {
       const int64_t valid = std::min<int64_t>(kLanes, vocab - c);
       const Vec e = exponents(simd::loadz(simd::lane_mask(valid), row + c), shift_v, scale_v, lower_v,
                               lower != nullptr, floor_v);
