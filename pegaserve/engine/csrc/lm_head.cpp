@@ -213,6 +213,12 @@ struct HalfPass {
   int64_t cell, num_cells;
   float* cell_max;   // [m, num_cells]
   float* cell_sums;  // [m, num_cells, kLanes]
+
+  // Rows [row, row + MT) x group g of the fp16 logits, into acc (group_sums over the packed copy).
+  template <int MT>
+  void sums(int64_t row, int64_t g, const uint16_t* ahead, int64_t ahead_every, Vec (&acc)[MT][kBlocks]) const {
+    group_sums<MT>(hidden + row * k, k, packed + g * k * kGroupCols, k, ahead, ahead_every, acc);
+  }
 };
 
 // Rows [row, row + MT) x group g: each entry's bounds, fp16 logit -/+ error[row] * bound[entry],
@@ -220,8 +226,7 @@ struct HalfPass {
 template <int MT>
 void screen_tile(const HalfPass& pass, int64_t row, int64_t g, const uint16_t* ahead, int64_t ahead_every) {
   Vec acc[MT][kBlocks];
-  group_sums<MT>(pass.hidden + row * pass.k, pass.k, pass.packed + g * pass.k * kGroupCols, pass.k, ahead,
-                ahead_every, acc);
+  pass.sums<MT>(row, g, ahead, ahead_every, acc);
   const int64_t col = g * kGroupCols;
   const Vec none = simd::set1(-INFINITY);
   simd::Mask valid[kBlocks];
@@ -261,8 +266,7 @@ void screen_tile(const HalfPass& pass, int64_t row, int64_t g, const uint16_t* a
 template <int MT>
 void upper_tile(const HalfPass& pass, int64_t row, int64_t g, const uint16_t* ahead, int64_t ahead_every) {
   Vec acc[MT][kBlocks];
-  group_sums<MT>(pass.hidden + row * pass.k, pass.k, pass.packed + g * pass.k * kGroupCols, pass.k, ahead,
-                ahead_every, acc);
+  pass.sums<MT>(row, g, ahead, ahead_every, acc);
   const int64_t col = g * kGroupCols;
   const Vec none = simd::set1(-INFINITY);
   for (int i = 0; i < MT; ++i) {
