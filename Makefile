@@ -20,6 +20,7 @@ $(VENV)/.installed: pyproject.toml
 
 model: install
 	$(PY) -m pegaserve.default_model
+	$(PY) -m deployments.handoff.native || echo "the native gloo handoff did not build: the Python one runs"
 
 # Serve's high-throughput mode with HAProxy in front (deployments/env.py says why).
 SERVE_ENV = $(shell $(PY) -c 'from deployments.env import SERVE_ENV; print(" ".join(f"{k}={v}" for k, v in SERVE_ENV.items()))')

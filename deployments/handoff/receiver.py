@@ -14,20 +14,19 @@ its prompt.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-import pickle
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import ray
 import torch
 
 from deployments.channel import Address, Connection, connect
+from deployments.handoff import native
 from deployments.handoff.protocol import Copied, Fetch, Lease, OpenPair, PairOffer, SharedCache
-from deployments.handoff.transports import GlooPair, NcclPair, PairChannel, Staging, Work, kv_from_bytes
+from deployments.handoff.transports import GlooPair, NcclPair, PairChannel, Staging, kv_from_bytes
 from pegaserve.engine.async_engine import AsyncEngine
 from pegaserve.engine.kv_files import MappedKvFiles
 from pegaserve.engine.runner import copy_blocks, unpack_blocks
@@ -66,6 +65,10 @@ class KvReceiver:
     _locks: dict[Address, asyncio.Lock] = field(default_factory=lambda: defaultdict(asyncio.Lock))
     _mapped: MappedKvFiles = field(default_factory=lambda: MappedKvFiles(MAX_MAPPED_CACHES))
     _generation: int = 0
+
+    def __post_init__(self) -> None:
+        if self.transport in ("gloo", "shm"):  # pairs run on gloo
+            native.warm_up()
 
     def transport_for(self, lease: Lease) -> str:
         if lease.kv_ref is not None or self.transport == "object_store":
@@ -164,11 +167,10 @@ class KvReceiver:
             raise ValueError(f"the prompt's KV ({lease.kv_dtype} {lease.kv_shape}) does not fit this cache")
         await self._open_pair(peer, lease)
         pair = peer.pair
-        finish = pair.start_recv(cache, fetch.source_block_ids, fetch.target_block_ids, peer.staging)
         if pair.carries_fetches:  # straight to the sender's thread for this pair
-            asked = pair.post_fetch(pickle.dumps(fetch, protocol=pickle.HIGHEST_PROTOCOL))
-            finish = functools.partial(_after, asked, finish)
+            finish = pair.pull(cache, fetch, peer.staging)
         else:
+            finish = pair.start_recv(cache, fetch.source_block_ids, fetch.target_block_ids, peer.staging)
             peer.connection.send(fetch)
         held = await _to_the_end(asyncio.to_thread(finish))
         return len(fetch.source_block_ids) * lease.block_bytes if held else None
@@ -208,11 +210,6 @@ class KvReceiver:
             peer.connection.close()
             if peer.pair is not None:
                 peer.pair.close()
-
-
-def _after(first: Work, then: Callable[[], bool]) -> bool:
-    first.wait()
-    return then()
 
 
 async def _to_the_end(copy):

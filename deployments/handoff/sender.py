@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import pickle
 import threading
 import time
 
@@ -21,6 +20,7 @@ import ray
 import torch
 
 from deployments.channel import Address, Connection, Listener
+from deployments.handoff import native
 from deployments.handoff.protocol import (
     Copied,
     Fetch,
@@ -37,6 +37,7 @@ from deployments.handoff.transports import (
     PairChannel,
     Staging,
     block_bytes,
+    fetch_in,
     kv_as_bytes,
     packed_shape,
 )
@@ -62,6 +63,8 @@ class KvSender:
         self._listener = Listener(self._serve)
         self._tombstones: dict[str, float] = {}  # released before they parked -> until when to remember
         self.num_pairs = 0
+        if transport in ("gloo", "shm"):  # pairs run on gloo
+            native.warm_up()
 
     async def start(self) -> Address:
         return await self._listener.start()
@@ -136,21 +139,21 @@ class KvSender:
     def _serve_pair(self, pair: PairChannel, connection: Connection, loop: asyncio.AbstractEventLoop) -> None:
         """The thread of a pair that carries its own fetches (gloo): it waits for the next one and
         sends at once — neither this replica's event loop nor a hop to a worker thread stands
-        between a fetch and its bytes. It ends with the pair (the peer closed it) or a failed send."""
+        between a fetch and its bytes (nor any Python, where the pair runs natively). It ends with
+        the pair (the peer closed it) or a failed send."""
         buffer = torch.empty(MAX_FETCH_BYTES, dtype=torch.uint8)
         staging = Staging()
         while True:
-            fetch = held = None
-            start = time.perf_counter()
             try:
-                fetch = pickle.loads(pair.recv_fetch(buffer))
-                start = time.perf_counter()
-                held = self._send_now(pair, staging, fetch)
+                served = pair.serve_fetch(self.engine.kv_cache, self.engine.kv_generations, buffer, staging,
+                                          self.delay_send_s)
+                fetch, held, seconds = served.fetch, served.held, served.seconds
             except Exception:
+                fetch, held, seconds = fetch_in(buffer), None, 0.0
                 if fetch is not None:  # otherwise the peer closed the pair: it starts over on a new connection
                     log.exception("KV send of %s failed", fetch.request_id)
             try:
-                loop.call_soon_threadsafe(self._sent, connection, fetch, held, time.perf_counter() - start)
+                loop.call_soon_threadsafe(self._sent, connection, fetch, held, seconds)
             except RuntimeError:  # the loop is closed: this replica is stopping
                 return
             if held is None:

@@ -8,37 +8,63 @@ packs the prompt into the Ray object store at prefill time; the lease carries th
 
 Pair channels block: callers run them in a worker thread, one transfer at a time per pair, in the
 order of their fetches (decode posts its receives before it sends the fetch, so the bytes flow the
-moment prefill sends). On gloo the fetch itself travels on the pair, to a thread of the sender that
-waits for nothing else; on nccl it travels on the replicas' connection. Both sides know both block
-lists (the fetch names them), so they cut a transfer into the same messages: where the blocks lie
-in runs in both caches, each run of each layer's K or V is one contiguous slab sent straight from
+moment prefill sends). Both sides cut a transfer into the same messages: where the blocks lie in
+runs in both caches, each run of each layer's K or V is one contiguous slab sent straight from
 prefill's cache into decode's, nothing packed; otherwise the blocks are packed layer by layer, a
 layer travelling while the next is packed and unpacked while the next arrives. The last message is
 the sender's verdict: whether what it read was still the prompt's KV.
+
+On gloo the fetch itself travels on the pair (`fetch_message`: binary, with the cut decode chose),
+to a thread of the sender that waits for nothing else, and both ends run in C++ where it built
+(`native`, csrc/gloo_pair.cpp): no Python between a fetch and its bytes. On nccl the fetch travels
+on the replicas' connection and each side finds the runs itself.
 """
 
 from __future__ import annotations
 
 import datetime
+import enum
 import functools
+import pickle
 import struct
+import time
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Final, Protocol
 
 import numpy as np
 import ray
 import torch
 
+from deployments.handoff import native
+from deployments.handoff.protocol import Fetch
+from pegaserve.engine.request import ParkedKv
 from pegaserve.engine.runner import Run, block_runs, pack_layer, unpack_layer
 
-MIN_SLAB_BYTES = 256 << 10  # below, a message's fixed cost (~30 us on loopback gloo) outweighs the copies it saves
+# Below, a message's fixed cost outweighs the copies it saves: ~30 us posted from Python on loopback
+# gloo, ~100 us after an idle spell; ~10 and ~25 us from C++ (a gloo pair's `native` side decides).
+MIN_SLAB_BYTES = 256 << 10
+NATIVE_MIN_SLAB_BYTES = 64 << 10
 _VERDICT_TAG = 1 << 20  # past any block message's tag
 _FETCH_TAG = _VERDICT_TAG + 1
-MAX_FETCH_BYTES = 4 << 20  # a pickled `Fetch`, ~11 bytes per block: a longer one fails and decode recomputes
-_LENGTH = struct.Struct("<q")
+MAX_FETCH_BYTES = 4 << 20  # a `fetch_message`, ~27 bytes per block: a longer one fails and decode recomputes
+_HEADER = struct.Struct("<qqqd")  # fetch_message's: length, runs, blocks, expiry
+_WORD_BYTES = 8
 _NO_TIMEOUT = datetime.timedelta(days=365)  # a pair idles for as long as no prompt is handed over
+
+
+class _Find(enum.Enum):
+    FIND = "find"
+
+
+FIND: Final = _Find.FIND  # the runs as `slab_runs` finds them
+Runs = list[Run] | None | _Find  # slabs of these runs, packed (None), or FIND
+
+
+def _runs(runs: Runs, cache: torch.Tensor, source_ids: Sequence[int], target_ids: Sequence[int]) -> list[Run] | None:
+    return slab_runs(cache, source_ids, target_ids) if runs is FIND else runs
 
 
 class Work(Protocol):
@@ -57,7 +83,7 @@ class PairChannel(ABC):
     distinct tags; each side waits for all of them before the next transfer."""
 
     posts_at_once = False  # whether post_recv returns at once, the bytes landing from the channel's own threads
-    carries_fetches = False  # whether the fetch travels on the pair itself (`post_fetch`/`recv_fetch`)
+    carries_fetches = False  # whether the fetch travels on the pair itself (`pull`/`serve_fetch`)
 
     @abstractmethod
     def post_send(self, tensor: torch.Tensor, tag: int) -> Work: ...
@@ -69,11 +95,11 @@ class PairChannel(ABC):
         """Leave the pair (nothing may be in flight on it): the peer's waits on it end."""
 
     def send_with_verdict(self, cache: torch.Tensor, source_ids: Sequence[int], target_ids: Sequence[int],
-                          staging: Staging, verdict: Callable[[], bool]) -> bool:
+                          staging: Staging, verdict: Callable[[], bool], runs: Runs = FIND) -> bool:
         """`send_blocks`, then `verdict()` — were the bytes it read the prompt's? — as the transfer's
         last message; returns it. Blocks (a worker thread's): a send posted after its receive
         writes the bytes in the caller's thread."""
-        self.send_blocks(cache, source_ids, target_ids, staging)
+        self.send_blocks(cache, source_ids, target_ids, staging, runs)
         ok = verdict()
         flag = staging.flag(cache.device)
         flag.fill_(int(ok))
@@ -81,16 +107,16 @@ class PairChannel(ABC):
         return ok
 
     def start_recv(self, cache: torch.Tensor, source_ids: Sequence[int], target_ids: Sequence[int],
-                   staging: Staging) -> Callable[[], bool]:
+                   staging: Staging, runs: Runs = FIND) -> Callable[[], bool]:
         """`send_with_verdict`'s other side: posts the receives now where the channel can (gloo), so
         the bytes flow as soon as the peer sends, before any thread is scheduled here, and returns
         the rest, which blocks (for a worker thread) and returns the sender's verdict."""
         flag = staging.flag(cache.device)
         if self.posts_at_once:
-            finish = self._post_recvs(cache, source_ids, target_ids, staging)
+            finish = self._post_recvs(cache, source_ids, target_ids, staging, runs)
             flag_work = self.post_recv(flag, _VERDICT_TAG)
         else:  # posting blocks: all of it in the thread, the verdict after the blocks (matched in order)
-            finish = functools.partial(self.recv_blocks, cache, source_ids, target_ids, staging)
+            finish = functools.partial(self.recv_blocks, cache, source_ids, target_ids, staging, runs)
             flag_work = None
 
         def rest() -> bool:
@@ -100,27 +126,40 @@ class PairChannel(ABC):
 
         return rest
 
-    def post_fetch(self, fetch: bytes) -> Work:
-        """Decode: a pickled fetch to the sender's `recv_fetch`, one message, posted (the channel's
-        threads send it; wait for the work before the transfer counts as over)."""
-        if len(fetch) + _LENGTH.size > MAX_FETCH_BYTES:
-            raise ValueError(f"a fetch of {len(fetch)} bytes (at most {MAX_FETCH_BYTES - _LENGTH.size})")
-        message = torch.frombuffer(bytearray(_LENGTH.pack(len(fetch)) + fetch), dtype=torch.uint8)
-        return self.post_send(message, _FETCH_TAG)
+    def pull(self, cache: torch.Tensor, fetch: Fetch, staging: Staging, runs: Runs = FIND) -> Callable[[], bool]:
+        """Decode, on a channel that `carries_fetches`: posts the receives of the fetch's blocks and
+        of the verdict, then sends the fetch, which says how the blocks travel (`runs`); returns the
+        rest, which blocks (for a worker thread) and returns the sender's verdict."""
+        runs = _runs(runs, cache, fetch.source_block_ids, fetch.target_block_ids)
+        finish = self.start_recv(cache, fetch.source_block_ids, fetch.target_block_ids, staging, runs)
+        asked = self.post_send(fetch_message(fetch, runs), _FETCH_TAG)
+        return functools.partial(_after, asked, finish)
 
-    def recv_fetch(self, buffer: torch.Tensor) -> bytes:
-        """Prefill: the next pickled fetch, received into `buffer` (`MAX_FETCH_BYTES` of uint8; a
-        message shorter than the buffer fills its start). Blocks until one comes; raises once the
-        peer closed the pair."""
+    def serve_fetch(self, cache: torch.Tensor, generations: Sequence[int], buffer: torch.Tensor, staging: Staging,
+                    delay_s: float = 0.0) -> Served:
+        """Prefill, in a thread of the pair's own: waits for the next fetch (raises once the peer
+        closed the pair) into `buffer` (`MAX_FETCH_BYTES` of uint8), sends its blocks as decode cut
+        them (after `delay_s`, a test's fault) and the verdict (`generations`: the live blocks'). A
+        failure after the fetch came leaves it readable by `fetch_in(buffer)`."""
+        buffer[:_WORD_BYTES].zero_()
         self.post_recv(buffer, _FETCH_TAG).wait(_NO_TIMEOUT)
-        raw = buffer.numpy()
-        (length,) = _LENGTH.unpack_from(raw)
-        return raw[_LENGTH.size : _LENGTH.size + length].tobytes()
+        return self._send_fetched(cache, generations, *read_fetch(buffer), staging, delay_s)
+
+    def _send_fetched(self, cache: torch.Tensor, generations: Sequence[int], fetch: Fetch, runs: list[Run] | None,
+                      staging: Staging, delay_s: float) -> Served:
+        start = time.perf_counter()
+        if delay_s:
+            time.sleep(delay_s)
+        held = self.send_with_verdict(
+            cache, fetch.source_block_ids, fetch.target_block_ids, staging,
+            lambda: fetch.parked.intact(fetch.source_block_ids, generations, time.monotonic()), runs)
+        return Served(fetch, held, time.perf_counter() - start)
 
     def send_blocks(self, cache: torch.Tensor, source_ids: Sequence[int], target_ids: Sequence[int],
-                    staging: Staging) -> None:
-        """Send `cache[:, :, source_ids]` to the peer's `recv_blocks` into its `target_ids`."""
-        runs = slab_runs(cache, source_ids, target_ids)
+                    staging: Staging, runs: Runs = FIND) -> None:
+        """Send `cache[:, :, source_ids]` to the peer's `recv_blocks` into its `target_ids` (as slabs
+        of `runs`, or packed where they are None; by default as `slab_runs` finds them)."""
+        runs = _runs(runs, cache, source_ids, target_ids)
         if runs is not None:
             works = [self.post_send(slab, tag) for tag, slab in enumerate(_slabs(cache, runs, side=0))]
         else:
@@ -133,14 +172,14 @@ class PairChannel(ABC):
         _wait_all(works)
 
     def recv_blocks(self, cache: torch.Tensor, source_ids: Sequence[int], target_ids: Sequence[int],
-                    staging: Staging) -> None:
+                    staging: Staging, runs: Runs = FIND) -> None:
         """Receive the peer's `send_blocks` into `cache[:, :, target_ids]`."""
-        self._post_recvs(cache, source_ids, target_ids, staging)()
+        self._post_recvs(cache, source_ids, target_ids, staging, runs)()
 
     def _post_recvs(self, cache: torch.Tensor, source_ids: Sequence[int], target_ids: Sequence[int],
-                    staging: Staging) -> Callable[[], None]:
+                    staging: Staging, runs: Runs) -> Callable[[], None]:
         """Post `recv_blocks`'s receives; returns the rest: wait for them (unpacking packed layers)."""
-        runs = slab_runs(cache, source_ids, target_ids)
+        runs = _runs(runs, cache, source_ids, target_ids)
         if runs is not None:
             works = [self.post_recv(slab, tag) for tag, slab in enumerate(_slabs(cache, runs, side=1))]
             return functools.partial(_wait_all, works)
@@ -156,20 +195,84 @@ class PairChannel(ABC):
         return unpack
 
 
+@dataclass(frozen=True)
+class Served:
+    """A fetch a pair's sender served: whether the blocks it sent were the prompt's, and how long
+    it took from the fetch's arrival to the verdict's send."""
+
+    fetch: Fetch
+    held: bool
+    seconds: float
+
+
+def fetch_message(fetch: Fetch, runs: list[Run] | None) -> torch.Tensor:
+    """A fetch as it travels on a pair, read by both sides' code (csrc/gloo_pair.cpp too): a header
+    (the message's length in bytes, the number of runs — -1: the blocks travel packed —, of blocks,
+    and the lease's expiry, a double), then int64 words per run (source block, target block,
+    blocks) and per block (source id, target id, the generation it parked with; -1: not the
+    lease's), and last the pickled request id and choice ids, for prefill's bookkeeping."""
+    source, target, parked = fetch.source_block_ids, fetch.target_block_ids, fetch.parked
+    blocks = np.empty((len(source), 3), dtype=np.int64)
+    blocks[:, 0], blocks[:, 1] = source, target
+    if parked.block_ids[len(parked.block_ids) - len(source) :] == tuple(source):  # the usual: the lease's last blocks
+        blocks[:, 2] = parked.generations[len(parked.generations) - len(source) :]
+    else:
+        expected = dict(zip(parked.block_ids, parked.generations))
+        blocks[:, 2] = [expected.get(block, -1) for block in source]
+    body = np.asarray(runs if runs else [], dtype=np.int64).tobytes() + blocks.tobytes()
+    tail = pickle.dumps((fetch.request_id, fetch.choice_ids), protocol=pickle.HIGHEST_PROTOCOL)
+    length = _HEADER.size + len(body) + len(tail)
+    if length > MAX_FETCH_BYTES:
+        raise ValueError(f"a fetch of {length} bytes (at most {MAX_FETCH_BYTES})")
+    header = _HEADER.pack(length, -1 if runs is None else len(runs), len(source), parked.held_until)
+    return torch.frombuffer(bytearray(header + body + tail), dtype=torch.uint8)
+
+
+def read_fetch(buffer: torch.Tensor) -> tuple[Fetch, list[Run] | None]:
+    """`fetch_message`'s fetch and runs, from the start of `buffer` (the fetch's lease narrowed to
+    its blocks: all a sender needs)."""
+    raw = buffer.numpy()
+    length, num_runs, num_blocks, held_until = _HEADER.unpack_from(raw)
+    words = 3 * max(num_runs, 0) + 3 * num_blocks
+    if num_blocks < 0 or not _HEADER.size + _WORD_BYTES * words <= length <= len(raw):
+        raise ValueError(f"a malformed fetch ({length} bytes, {num_runs} runs, {num_blocks} blocks)")
+    body = np.frombuffer(raw, dtype=np.int64, count=words, offset=_HEADER.size).reshape(-1, 3)
+    runs = None if num_runs < 0 else [(int(s), int(t), int(n)) for s, t, n in body[:num_runs].tolist()]
+    source, target, generations = (tuple(column) for column in body[max(num_runs, 0) :].T.tolist())
+    request_id, choice_ids = pickle.loads(raw[_HEADER.size + _WORD_BYTES * words : length].tobytes())
+    parked = ParkedKv(source, generations, held_until)
+    return Fetch(request_id, choice_ids, parked, source, target), runs
+
+
+def fetch_in(buffer: torch.Tensor) -> Fetch | None:
+    """The fetch a failed `serve_fetch` was serving, if one had come."""
+    try:
+        return read_fetch(buffer)[0] if _HEADER.unpack_from(buffer.numpy())[0] else None
+    except Exception:  # a fetch cut short by the failure: nothing to tell
+        return None
+
+
+def _after(first: Work, then: Callable[[], bool]) -> bool:
+    first.wait()
+    return then()
+
+
 def _wait_all(works: list[Work]) -> None:
     for work in works:
         work.wait()
 
 
-def slab_runs(cache: torch.Tensor, source_ids: Sequence[int], target_ids: Sequence[int]) -> list[Run] | None:
-    """The runs the blocks lie in in both caches, when they are long enough to travel as slabs."""
+def slab_runs(cache: torch.Tensor, source_ids: Sequence[int], target_ids: Sequence[int],
+              min_slab_bytes: int | None = None) -> list[Run] | None:
+    """The runs the blocks lie in in both caches, when they are long enough to travel as slabs
+    (`min_slab_bytes` on average; default `MIN_SLAB_BYTES`)."""
     if len(source_ids) != len(target_ids):
         raise ValueError(f"{len(source_ids)} blocks sent into {len(target_ids)}")
     if not source_ids:
         return []
     runs = list(block_runs(list(source_ids), list(target_ids)))
     slab_bytes = len(source_ids) * block_bytes(cache) // (cache.shape[0] * 2 * len(runs))
-    return runs if slab_bytes >= MIN_SLAB_BYTES else None
+    return runs if slab_bytes >= (MIN_SLAB_BYTES if min_slab_bytes is None else min_slab_bytes) else None
 
 
 def block_bytes(cache: torch.Tensor) -> int:
@@ -216,13 +319,56 @@ class Staging:
 
 
 class GlooPair(PairChannel):
+    """`pull` and `serve_fetch` run in C++ (`native`) where it built: from a fetch to its bytes and
+    verdict, no Python on either side. Both sides speak the same messages either way."""
+
     posts_at_once = True
     carries_fetches = True  # a receive shorter than its buffer is fine on gloo; the peer's end ends a wait
 
-    def __init__(self, store: torch.distributed.TCPStore, rank: int, timeout_s: float) -> None:
+    def __init__(self, store: torch.distributed.TCPStore, rank: int, timeout_s: float, use_native: bool = True) -> None:
         self._store = store  # the group keeps using it
         self._peer = 1 - rank
         self._group = torch.distributed.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=timeout_s))
+        self._native = native.module() if use_native else None
+        self._generations: tuple[object, torch.Tensor | None] = (None, None)
+
+    @property
+    def native(self) -> bool:
+        return self._native is not None
+
+    def pull(self, cache: torch.Tensor, fetch: Fetch, staging: Staging, runs: Runs = FIND) -> Callable[[], bool]:
+        if runs is FIND:
+            runs = slab_runs(cache, fetch.source_block_ids, fetch.target_block_ids,
+                             NATIVE_MIN_SLAB_BYTES if self._native is not None else None)
+        if self._native is None or runs is None:
+            return super().pull(cache, fetch, staging, runs)
+        return self._native.pull(self._group, cache, fetch_message(fetch, runs), staging.flag(cache.device),
+                                 self._peer, _VERDICT_TAG, _FETCH_TAG).wait
+
+    def serve_fetch(self, cache: torch.Tensor, generations: Sequence[int], buffer: torch.Tensor, staging: Staging,
+                    delay_s: float = 0.0) -> Served:
+        live = self._int64s(generations)
+        if self._native is None or live is None:
+            return super().serve_fetch(cache, generations, buffer, staging, delay_s)
+        buffer[:_WORD_BYTES].zero_()
+        done = self._native.serve_fetch(self._group, cache, live, buffer, staging.flag(cache.device), self._peer,
+                                        _VERDICT_TAG, _FETCH_TAG, delay_s)
+        fetch, runs = read_fetch(buffer)
+        if done.sent:
+            return Served(fetch, done.held, done.seconds)
+        return self._send_fetched(cache, generations, fetch, runs, staging, delay_s)  # packed: C++ sends only slabs
+
+    def _int64s(self, generations: Sequence[int]) -> torch.Tensor | None:
+        """The live generations as an int64 tensor over the same memory (an array or a memoryview
+        of int64, as the engine keeps them), or None (the Python side checks them)."""
+        source, view = self._generations
+        if source is not generations:
+            try:
+                view = torch.frombuffer(generations, dtype=torch.int64)
+            except (TypeError, ValueError):
+                view = None
+            self._generations = (generations, view)
+        return view
 
     @staticmethod
     def offer(timeout_s: float) -> torch.distributed.TCPStore:

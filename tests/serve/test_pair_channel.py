@@ -5,13 +5,14 @@ two sides cut a transfer into the same messages, transfer after transfer."""
 
 import datetime
 import threading
+from array import array
 
 import pytest
 import torch
 
 from deployments.channel import Address
-from deployments.handoff import transports
-from deployments.handoff.protocol import Lease
+from deployments.handoff import native, transports
+from deployments.handoff.protocol import Fetch, Lease
 from deployments.handoff.transports import GlooPair, Staging, slab_runs
 from pegaserve.engine.request import ParkedKv
 
@@ -117,3 +118,78 @@ def test_the_senders_verdict_comes_after_the_blocks(pair, monkeypatch, posts_at_
         assert finish_recv() is ok
         sender.join(TIMEOUT_S)
         assert read == [1, ok] and torch.equal(target, expected)
+
+
+def test_the_native_side_builds():
+    """csrc/gloo_pair.cpp builds on these machines (`make model` builds it ahead): where it would
+    not, the pairs run the Python protocol and every test below checks that one only."""
+    assert native.module() is not None
+
+
+@pytest.mark.parametrize(("source_ids", "runs"), [
+    (tuple(range(3, 11)), [(3, 20, 8)]),
+    ((7, 3, 19), None),  # packed
+    ((), []),
+])
+def test_a_fetch_message_reads_back_as_sent(source_ids, runs):
+    """The fetch's binary form: the runs decode chose, its blocks, and the lease narrowed to them
+    (a source block the lease lacks gets generation -1, which no block ever has)."""
+    parked = ParkedKv((1, 2, *source_ids), tuple(range(100, 102 + len(source_ids))), 1234.5)
+    target_ids = tuple(range(20, 20 + len(source_ids)))
+    fetch = Fetch("req", ("req-0", "req-1"), parked, source_ids, target_ids)
+    read, read_runs = transports.read_fetch(transports.fetch_message(fetch, runs))
+    assert read_runs == runs
+    assert (read.request_id, read.choice_ids, read.source_block_ids, read.target_block_ids) == \
+        ("req", ("req-0", "req-1"), source_ids, target_ids)
+    assert read.parked == ParkedKv(source_ids, parked.generations[2:], 1234.5)
+    stray = Fetch("req", ("req",), parked, (99, *source_ids[:1]), (0, *target_ids[:1]))
+    assert transports.read_fetch(transports.fetch_message(stray, None))[0].parked.generations == \
+        (-1, *parked.generations[2:3])
+
+
+def test_a_failed_send_leaves_its_fetch_readable():
+    buffer = torch.zeros(transports.MAX_FETCH_BYTES, dtype=torch.uint8)
+    assert transports.fetch_in(buffer) is None  # nothing came: the peer closed the pair
+    fetch = Fetch("req", ("req",), ParkedKv((4, 5), (1, 1), 9.0), (4, 5), (6, 7))
+    message = transports.fetch_message(fetch, None)
+    buffer[: len(message)] = message
+    assert transports.fetch_in(buffer).request_id == "req"
+
+
+@pytest.mark.parametrize("prefill_native", [True, False], ids=["prefill-native", "prefill-python"])
+@pytest.mark.parametrize("decode_native", [True, False], ids=["decode-native", "decode-python"])
+def test_pull_and_serve_fetch_agree_whichever_side_is_native(pair, monkeypatch, prefill_native, decode_native):
+    """A fetch on the pair, C++ or Python at either end: the blocks land where decode asked (as
+    slabs or packed), and the verdict is the lease's — held, a block handed out anew, the lease
+    run out — on both sides."""
+    module = native.module()
+    monkeypatch.setattr(pair[0], "_native", module if prefill_native else None)
+    monkeypatch.setattr(pair[1], "_native", module if decode_native else None)
+    generations = array("q", [3] * 20)
+    buffer = torch.empty(transports.MAX_FETCH_BYTES, dtype=torch.uint8)
+    slab_of_4 = 4 * BLOCK_BYTES // (2 * LAYERS)  # runs of 4 blocks are slabs, whoever decides
+    monkeypatch.setattr(transports, "MIN_SLAB_BYTES", slab_of_4)
+    monkeypatch.setattr(transports, "NATIVE_MIN_SLAB_BYTES", slab_of_4)
+    cases = [  # (source ids, target ids, lease's generations, expiry, verdict)
+        (list(range(2, 18)), list(range(10, 26)), 3, 1e9, True),  # one run: slabs
+        ([9, 8, 7, 6, 1, 2, 3, 4], [5, 4, 3, 2, 10, 11, 12, 13], 3, 1e9, True),  # two runs: slabs
+        ([7, 3, 19], [0, 29, 10], 3, 1e9, True),  # scattered: packed
+        (list(range(2, 18)), list(range(10, 26)), 2, 1e9, False),  # handed out anew since it parked
+        (list(range(2, 18)), list(range(10, 26)), 3, 0.0, False),  # the lease ran out
+        ([7, 3, 19], [0, 29, 10], 2, 1e9, False),
+        ([7, 3, 19], [0, 29, 10], 3, 0.0, False),
+    ]
+    for source_ids, target_ids, parked_generation, expiry, verdict in cases:
+        source, target = cache(20, 7), cache(30, 8)
+        expected = target.clone()
+        expected[:, :, target_ids] = source[:, :, source_ids]
+        parked = ParkedKv(tuple(source_ids), (parked_generation,) * len(source_ids), expiry)
+        fetch = Fetch("req", ("req",), parked, tuple(source_ids), tuple(target_ids))
+        served: list[transports.Served] = []
+        sender = threading.Thread(target=lambda out, blocks: out.append(
+            pair[0].serve_fetch(blocks, generations, buffer, Staging())), args=(served, source))
+        sender.start()
+        assert pair[1].pull(target, fetch, Staging())() is verdict
+        sender.join(TIMEOUT_S)
+        assert torch.equal(target, expected)  # the bytes always travel: the pair stays in step
+        assert served[0].fetch == fetch and served[0].held is verdict and served[0].seconds > 0
