@@ -84,7 +84,9 @@ def write_kv_report(result: dict, path: Path) -> None:
         f"{settings['total_s']:.0f} s. Raw figures: `kv.json`. Throughput and latency under load: "
         "[RESULTS.md](RESULTS.md).", "",
         f"**Machine**: `nproc` = {m['nproc']}, {m['cpu_model']}, {m['ram_gib']:.1f} GiB RAM, torch {m['torch']} (CPU), "
-        "shared with other work.", "",
+        "shared with other work. gloo pairs: "
+        + ("native (C++)." if settings.get("native_handoff") else "the Python protocol (the C++ side did not build)."),
+        "",
         "## Setup", "",
         f"- One prefill + one decode replica (configs/cluster.yaml's options: 0.5 CPU each, one torch thread) on an "
         f"in-process Ray cluster, 127.0.0.1. Model `{settings['model']}`: KV is fp32, 4 layers x 2 x 2 KV heads x "
@@ -97,13 +99,14 @@ def write_kv_report(result: dict, path: Path) -> None:
         "engine is waited for) — shm: the decode engine copies the blocks straight out of the prefill engine's cache "
         "in shared memory and checks them, between two of its steps, as it admits the request; gloo: decode posts "
         "its receives and sends the fetch on the pair itself, and prefill's thread for that pair sends (runs of "
-        "blocks as slabs cache to cache, else packed layer by layer) and then its verdict; object store: decode's "
-        "get and unpack. "
+        "blocks as slabs cache to cache, else packed layer by layer) and then its verdict, both sides in C++ where "
+        "`deployments/handoff/native.py` built (the machine line says); object store: decode's get and unpack. "
         "**raw** = the same bytes between two plain Ray actors with nothing else (`benchmarks/kv/transport.py`): "
         "gloo is one `ProcessGroupGloo` send/recv (the `GlooPair` the app uses), timed on the receiver, the sender "
-        "sending back to back (the bandwidth; the receiver's clock starts with the bytes on their way) and **on "
+        "sending back to back (the bandwidth: its next send is posted before the receive, and gloo's rendezvous "
+        "sends the bytes from the sender's gloo thread the moment the receiver's ready notice comes) and **on "
         "request** (the receiver posts its receive and sends a 4-byte request; the sender waits for it, then sends: "
-        "the least any fetch can do, a round trip and a wake-up on each side more); object "
+        "the least any fetch can do, a wake-up of the sender's thread more); object "
         "store is `ray.put` of the torch tensor in one actor + `ray.get` in the other (and, for comparison, the same "
         "bytes as a numpy array, which Ray stores without pickling and maps zero-copy on get). Median of 20 after "
         "2 warm-ups.",

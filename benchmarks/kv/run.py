@@ -29,6 +29,7 @@ import torch
 
 from benchmarks.kv.report import write_kv_report
 from benchmarks.reports import DOCS_DIR
+from deployments.handoff import native
 
 TRANSPORTS = ("shm", "gloo", "object_store")
 RAW_OF = {"shm": "gloo"}  # the raw transport a handoff is held against
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     total_s = time.perf_counter() - started
     result = {
         "settings": {"lengths": lengths, "repeats": args.repeats, "max_tokens": MAX_TOKENS, "model": MODEL,
-                     "total_s": total_s},
+                     "total_s": total_s, "native_handoff": native.module() is not None},
         "apps": {name: {str(n): [dataclasses.asdict(s) for s in samples] for n, samples in by_length.items()}
                  for name, by_length in apps.items()},
         "raw": {t: [{**dataclasses.asdict(f), "gb_per_s": f.gb_per_s} for f in figures] for t, figures in raw.items()},

@@ -1,8 +1,10 @@
-"""`csrc/gloo_pair.cpp`, the gloo pair's handoff with no Python between a fetch and its bytes: built
-with torch's extension builder (it calls into torch.distributed's C++ `Backend`) on first use, ~20 s,
-or ahead of time by `python -m deployments.handoff.native` (`make install` does), and kept in
-`~/.cache/pegaserve/torch_extensions/`. Where it cannot be built (no compiler, no ninja, another
-torch), `module()` answers None, logged once, and the pair runs the same protocol in Python.
+"""`csrc/gloo_pair.cpp`, the gloo pair's handoff with no Python between a fetch and its bytes.
+
+Built with torch's extension builder (it calls into torch.distributed's C++ `Backend`), ~20 s: ahead
+of time by `python -m deployments.handoff.native` (`make model` runs it), else in the background as a
+replica starts; kept per torch version under `~/.cache/pegaserve/torch_extensions/`. Where it cannot
+be built (no compiler, no ninja), `module()` answers None, logged once, and the pairs run the same
+protocol in Python (`PEGASERVE_NATIVE_HANDOFF=0` chooses that too).
 """
 
 from __future__ import annotations
@@ -17,9 +19,7 @@ from types import ModuleType
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "gloo_pair.cpp"
-DISABLE_ENV = "PEGASERVE_NATIVE_HANDOFF"  # "0": the Python protocol (tests compare the two)
-
-
+DISABLE_ENV = "PEGASERVE_NATIVE_HANDOFF"  # "0": the Python protocol
 _building = threading.Lock()  # one build per process (torch's own lock keeps processes apart)
 
 
@@ -39,9 +39,10 @@ def _module() -> ModuleType | None:
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return None
     try:
+        import torch  # noqa: PLC0415
         from torch.utils import cpp_extension  # noqa: PLC0415 - its import pulls in setuptools
 
-        build_dir = Path.home() / ".cache" / "pegaserve" / "torch_extensions" / "gloo_pair"
+        build_dir = Path.home() / ".cache" / "pegaserve" / "torch_extensions" / f"gloo_pair-torch-{torch.__version__}"
         build_dir.mkdir(parents=True, exist_ok=True)
         return cpp_extension.load("pegaserve_gloo_pair", [str(SOURCE)], extra_cflags=["-O2"],
                                   build_directory=str(build_dir), verbose=False)

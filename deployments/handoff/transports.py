@@ -30,6 +30,7 @@ import struct
 import time
 import warnings
 from abc import ABC, abstractmethod
+from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Final, Protocol
@@ -208,24 +209,25 @@ class Served:
 def fetch_message(fetch: Fetch, runs: list[Run] | None) -> torch.Tensor:
     """A fetch as it travels on a pair, read by both sides' code (csrc/gloo_pair.cpp too): a header
     (the message's length in bytes, the number of runs — -1: the blocks travel packed —, of blocks,
-    and the lease's expiry, a double), then int64 words per run (source block, target block,
-    blocks) and per block (source id, target id, the generation it parked with; -1: not the
-    lease's), and last the pickled request id and choice ids, for prefill's bookkeeping."""
-    source, target, parked = fetch.source_block_ids, fetch.target_block_ids, fetch.parked
-    blocks = np.empty((len(source), 3), dtype=np.int64)
-    blocks[:, 0], blocks[:, 1] = source, target
-    if parked.block_ids[len(parked.block_ids) - len(source) :] == tuple(source):  # the usual: the lease's last blocks
-        blocks[:, 2] = parked.generations[len(parked.generations) - len(source) :]
+    and the lease's expiry, a double), int64 words — per run (source block, target block, blocks),
+    then the source ids, the target ids, and the generations the source blocks parked with (-1: not
+    the lease's) — and last the pickled request id and choice ids, for prefill's bookkeeping."""
+    source, parked = fetch.source_block_ids, fetch.parked
+    first = len(parked.block_ids) - len(source)
+    if parked.block_ids[first:] == tuple(source):  # the usual: the lease's last blocks
+        generations = parked.generations[first:]
     else:
         expected = dict(zip(parked.block_ids, parked.generations))
-        blocks[:, 2] = [expected.get(block, -1) for block in source]
-    body = np.asarray(runs if runs else [], dtype=np.int64).tobytes() + blocks.tobytes()
+        generations = [expected.get(block, -1) for block in source]
+    words = array("q", [w for run in runs or () for w in run])
+    for column in (source, fetch.target_block_ids, generations):
+        words.extend(column)
     tail = pickle.dumps((fetch.request_id, fetch.choice_ids), protocol=pickle.HIGHEST_PROTOCOL)
-    length = _HEADER.size + len(body) + len(tail)
+    length = _HEADER.size + words.itemsize * len(words) + len(tail)
     if length > MAX_FETCH_BYTES:
         raise ValueError(f"a fetch of {length} bytes (at most {MAX_FETCH_BYTES})")
     header = _HEADER.pack(length, -1 if runs is None else len(runs), len(source), parked.held_until)
-    return torch.frombuffer(bytearray(header + body + tail), dtype=torch.uint8)
+    return torch.frombuffer(bytearray(header + words.tobytes() + tail), dtype=torch.uint8)
 
 
 def read_fetch(buffer: torch.Tensor) -> tuple[Fetch, list[Run] | None]:
@@ -233,15 +235,16 @@ def read_fetch(buffer: torch.Tensor) -> tuple[Fetch, list[Run] | None]:
     its blocks: all a sender needs)."""
     raw = buffer.numpy()
     length, num_runs, num_blocks, held_until = _HEADER.unpack_from(raw)
-    words = 3 * max(num_runs, 0) + 3 * num_blocks
+    run_words = 3 * max(num_runs, 0)
+    words = run_words + 3 * num_blocks
     if num_blocks < 0 or not _HEADER.size + _WORD_BYTES * words <= length <= len(raw):
         raise ValueError(f"a malformed fetch ({length} bytes, {num_runs} runs, {num_blocks} blocks)")
-    body = np.frombuffer(raw, dtype=np.int64, count=words, offset=_HEADER.size).reshape(-1, 3)
-    runs = None if num_runs < 0 else [(int(s), int(t), int(n)) for s, t, n in body[:num_runs].tolist()]
-    source, target, generations = (tuple(column) for column in body[max(num_runs, 0) :].T.tolist())
+    body = np.frombuffer(raw, dtype=np.int64, count=words, offset=_HEADER.size).tolist()
+    runs = None if num_runs < 0 else [tuple(body[i : i + 3]) for i in range(0, run_words, 3)]
+    source, target, generations = (tuple(body[run_words + k * num_blocks : run_words + (k + 1) * num_blocks])
+                                   for k in range(3))
     request_id, choice_ids = pickle.loads(raw[_HEADER.size + _WORD_BYTES * words : length].tobytes())
-    parked = ParkedKv(source, generations, held_until)
-    return Fetch(request_id, choice_ids, parked, source, target), runs
+    return Fetch(request_id, choice_ids, ParkedKv(source, generations, held_until), source, target), runs
 
 
 def fetch_in(buffer: torch.Tensor) -> Fetch | None:

@@ -10,7 +10,8 @@
 // The header's words (transports.fetch_message writes them): [0] the message's length in bytes,
 // [1] runs (-1: the blocks travel packed, which the Python side does), [2] blocks, [3] the lease's
 // expiry (a double: CLOCK_MONOTONIC seconds, Python's time.monotonic()); then per run (source
-// block, target block, blocks), then per block (source id, target id, generation when it parked).
+// block, target block, blocks), then the source ids, the target ids, and the generations the source
+// blocks parked with.
 
 #include <torch/extension.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -139,8 +140,10 @@ Served serve_fetch(const c10::intrusive_ptr<c10d::Backend>& pair, const at::Tens
   // The reads are over: they were the prompt's if the lease still held and no block was handed out anew.
   bool held = monotonic_s() < held_until;
   const auto* live = generations.data_ptr<int64_t>();
+  const int64_t* sources = words.data() + 3 * num_runs;
+  const int64_t* parked = sources + 2 * num_blocks;
   for (int64_t i = 0; held && i < num_blocks; ++i) {
-    const int64_t block = words[3 * num_runs + 3 * i], expected = words[3 * num_runs + 3 * i + 2];
+    const int64_t block = sources[i], expected = parked[i];
     held = block >= 0 && block < generations.numel() && __atomic_load_n(live + block, __ATOMIC_ACQUIRE) == expected;
   }
   flag.fill_(held ? 1 : 0);
