@@ -168,26 +168,14 @@ class KvSender:
         try:
             # shielded: once begun, the send completes even if this replica is told to stop, so the
             # pair's two sides never disagree about what was sent
-            send = asyncio.to_thread(self._send_now, pair, staging, fetch)
-            held = await asyncio.shield(asyncio.wait_for(send, self.timeout_s))
+            send = asyncio.to_thread(pair.send_fetched, self.engine.kv_cache, self.engine.kv_generations, fetch,
+                                     staging, self.delay_send_s)
+            held = (await asyncio.shield(asyncio.wait_for(send, self.timeout_s))).held
         except Exception:
             log.exception("KV send of %s failed", fetch.request_id)
             held = None
         self._sent(connection, fetch, held, time.perf_counter() - start)
         return held is not None
-
-    def _send_now(self, pair: PairChannel, staging: Staging, fetch: Fetch) -> bool:
-        """Send the blocks and, once they are read, whether they were the prompt's KV (the transfer's
-        last message): the bytes always travel, so the pair stays in step whatever the verdict."""
-        generations = self.engine.kv_generations
-
-        def verdict() -> bool:
-            return fetch.parked.intact(fetch.source_block_ids, generations, time.monotonic())
-
-        if self.delay_send_s:
-            time.sleep(self.delay_send_s)
-        return pair.send_with_verdict(self.engine.kv_cache, fetch.source_block_ids, fetch.target_block_ids,
-                                      staging, verdict)
 
     def _sent(self, connection: Connection, fetch: Fetch | None, held: bool | None, seconds: float) -> None:
         """After a send (`held`: its verdict; None: it failed, or the pair ended before a fetch):

@@ -144,10 +144,14 @@ class PairChannel(ABC):
         failure after the fetch came leaves it readable by `fetch_in(buffer)`."""
         buffer[:_WORD_BYTES].zero_()
         self.post_recv(buffer, _FETCH_TAG).wait(_NO_TIMEOUT)
-        return self._send_fetched(cache, generations, *read_fetch(buffer), staging, delay_s)
+        fetch, runs = read_fetch(buffer)
+        return self.send_fetched(cache, generations, fetch, staging, delay_s, runs)
 
-    def _send_fetched(self, cache: torch.Tensor, generations: Sequence[int], fetch: Fetch, runs: list[Run] | None,
-                      staging: Staging, delay_s: float) -> Served:
+    def send_fetched(self, cache: torch.Tensor, generations: Sequence[int], fetch: Fetch, staging: Staging,
+                     delay_s: float = 0.0, runs: Runs = FIND) -> Served:
+        """Send a fetch's blocks (after `delay_s`, a test's fault) and, once they are read, whether
+        they were the prompt's KV (`generations`: the live blocks'), as the transfer's last message:
+        the bytes always travel, so the pair stays in step whatever the verdict."""
         start = time.perf_counter()
         if delay_s:
             time.sleep(delay_s)
@@ -359,7 +363,7 @@ class GlooPair(PairChannel):
         fetch, runs = read_fetch(buffer)
         if done.sent:
             return Served(fetch, done.held, done.seconds)
-        return self._send_fetched(cache, generations, fetch, runs, staging, delay_s)  # packed: C++ sends only slabs
+        return self.send_fetched(cache, generations, fetch, staging, delay_s, runs)  # packed: C++ sends only slabs
 
     def _int64s(self, generations: Sequence[int]) -> torch.Tensor | None:
         """The live generations as an int64 tensor over the same memory (an array or a memoryview

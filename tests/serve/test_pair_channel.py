@@ -193,3 +193,23 @@ def test_pull_and_serve_fetch_agree_whichever_side_is_native(pair, monkeypatch, 
         sender.join(TIMEOUT_S)
         assert torch.equal(target, expected)  # the bytes always travel: the pair stays in step
         assert served[0].fetch == fetch and served[0].held is verdict and served[0].seconds > 0
+
+
+def test_send_fetched_is_the_nccl_sides_send(pair):
+    """A fetch that came on the replicas' connection (nccl's way): each side finds the runs itself,
+    the sender waits out its fault delay, then sends the blocks and the lease's verdict."""
+    source_ids, target_ids = [3, 4, 5, 6], [9, 10, 11, 12]
+    source, target = cache(20, 9), cache(30, 10)
+    expected = target.clone()
+    expected[:, :, target_ids] = source[:, :, source_ids]
+    for generation, verdict in ((3, True), (4, False)):
+        fetch = Fetch("req", ("req",), ParkedKv(tuple(source_ids), (generation,) * 4, 1e9), tuple(source_ids),
+                      tuple(target_ids))
+        finish = pair[1].start_recv(target, source_ids, target_ids, Staging())
+        served: list[transports.Served] = []
+        sender = threading.Thread(target=lambda out, f: out.append(
+            pair[0].send_fetched(source, array("q", [3] * 20), f, Staging(), delay_s=0.05)), args=(served, fetch))
+        sender.start()
+        assert finish() is verdict
+        sender.join(TIMEOUT_S)
+        assert torch.equal(target, expected) and served[0].held is verdict and served[0].seconds >= 0.05
