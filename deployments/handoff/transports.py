@@ -339,10 +339,6 @@ class GlooPair(PairChannel):
         self._native = native.module() if use_native else None
         self._generations: tuple[object, torch.Tensor | None] = (None, None)
 
-    @property
-    def native(self) -> bool:
-        return self._native is not None
-
     def pull(self, cache: torch.Tensor, fetch: Fetch, staging: Staging, runs: Runs = FIND) -> Callable[[], bool]:
         if runs is FIND:
             runs = slab_runs(cache, fetch.source_block_ids, fetch.target_block_ids,

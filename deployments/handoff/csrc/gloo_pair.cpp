@@ -20,8 +20,6 @@
 #include <chrono>
 #include <cstring>
 #include <ctime>
-#include <stdexcept>
-#include <string>
 #include <thread>
 #include <vector>
 
