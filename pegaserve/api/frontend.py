@@ -49,7 +49,7 @@ class Job:
         plan = self.prompts[p]
         request_id = self.response_id if len(self.prompts) == 1 else f"{self.response_id}-{p}"
         return EngineRequest(request_id, plan.prompt_token_ids, plan.sampling, plan.policy, n=self.n,
-                             num_prompt_logprobs=plan.num_prompt_logprobs)
+                             num_prompt_logprobs=plan.num_prompt_logprobs, cache_salt=plan.cache_salt)
 
     def results(self) -> list[ChoiceResult]:
         return [ChoiceResult(p * self.n + j, plan.prompt_token_ids, plan.echo_text)

@@ -72,6 +72,7 @@ class SamplingFields(Body):
     echo: StrictBool = False
     user: str | None = None  # no effect: an end-user label
     request_id: str | None = None  # the client's correlation id, like the X-Request-Id header
+    cache_salt: str | None = None  # cached prompt blocks are shared only with requests of the same salt
     # Refused unless at their defaults (`REFUSED`):
     use_beam_search: StrictBool = False
     length_penalty: float = 1.0
@@ -84,7 +85,6 @@ class SamplingFields(Body):
     guided_choice: JsonValue = None
     guided_grammar: JsonValue = None
     priority: StrictInt = 0
-    cache_salt: str | None = None
     kv_transfer_params: JsonValue = None
     vllm_xargs: JsonValue = None
 
@@ -134,7 +134,7 @@ class ChatCompletionRequest(SamplingFields):
 
 REFUSED_SHARED = (
     "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words", "logprob_token_ids", "structured_outputs",
-    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "priority", "cache_salt", "kv_transfer_params",
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "priority", "kv_transfer_params",
     "vllm_xargs",
 )
 REFUSED_COMPLETION = (*REFUSED_SHARED, "suffix")

@@ -51,6 +51,7 @@ class PromptPlan:
     skip_special_tokens: bool
     num_prompt_logprobs: int | None  # None: the engine does not score the prompt
     echo_text: str = ""  # shown before each choice's text (echo)
+    cache_salt: str | None = None  # EngineRequest.cache_salt
 
 
 def check_model(model: str | None, info: ModelInfo) -> None:
@@ -82,6 +83,8 @@ def check_common(body: SamplingFields, num_prompts: int, limits: Limits) -> None
         raise invalid("response_format", f"only {{'type': 'text'}} is supported, got {body.response_format.type!r}")
     if body.seed is not None and not INT64[0] <= body.seed <= INT64[1]:
         raise invalid("seed", f"must be a 64-bit integer, got {body.seed}")
+    if body.cache_salt == "":
+        raise invalid("cache_salt", "must be a non-empty string if given")
     if body.prompt_logprobs is not None:
         if not 0 <= body.prompt_logprobs <= limits.max_logprobs:
             raise invalid("prompt_logprobs", f"must be between 0 and {limits.max_logprobs}, got {body.prompt_logprobs}")
@@ -157,6 +160,7 @@ def plan_prompt(
         skip_special_tokens=body.skip_special_tokens,
         num_prompt_logprobs=num_prompt_logprobs,
         echo_text=echo_text or "",
+        cache_salt=body.cache_salt,
     )
 
 

@@ -29,6 +29,13 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
     return h.digest()
 
 
+def salt_root(salt: str) -> BlockHash:
+    """The hash a salted request's chain starts from (`cache_salt`): only requests with the same salt
+    name their blocks alike, so no one can learn from cache hits what another tenant's prompts hold.
+    16 bytes, never the unsalted chain's 12-byte start."""
+    return hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), digest_size=16, person=b"pegaserve-salt").digest()
+
+
 def hash_blocks(token_ids: Sequence[int], block_size: int, parent: BlockHash | None = None,
                 start_block: int = 0) -> list[BlockHash]:
     """Hashes of the full blocks of `token_ids` from block `start_block` on, chained from `parent`

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pegaserve.engine.block_pool import BlockHash, BlockPool, hash_blocks
+from pegaserve.engine.block_pool import BlockHash, BlockPool, hash_blocks, salt_root
 from pegaserve.engine.request import RequestState
 
 
@@ -158,7 +158,8 @@ class KvCacheManager:
         hashes = self._hashes.setdefault(request.request_id, [])
         num_full = request.num_tokens // self.block_size
         if len(hashes) < num_full:
-            parent = hashes[-1] if hashes else None
+            salt = request.spec.cache_salt
+            parent = hashes[-1] if hashes else salt_root(salt) if salt is not None else None
             start = len(hashes) * self.block_size
             tokens = request.token_ids(start, num_full * self.block_size)
             hashes += hash_blocks(tokens, self.block_size, parent)

@@ -55,6 +55,8 @@ class EngineRequest:
     `n` choices share one prefill: the prompt is computed once and each choice samples its own
     tokens from it, choice i with seed `sampling.seed + i`. `num_prompt_logprobs` asks prefill to
     score the prompt's tokens (None: no prompt logprobs; k: the top-k alternatives of each too).
+    `cache_salt` keeps its blocks apart in the prefix cache: they are shared only with requests of
+    the same salt (`block_pool.salt_root`).
     """
 
     request_id: str
@@ -63,6 +65,7 @@ class EngineRequest:
     policy: StopPolicy
     n: int = 1
     num_prompt_logprobs: int | None = None
+    cache_salt: str | None = None
     arrival_s: float = field(default_factory=time.time)
 
     def choice_id(self, index: int) -> str:

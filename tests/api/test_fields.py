@@ -14,6 +14,8 @@ import pytest
 from pydantic import BaseModel
 
 from pegaserve.api.app import build_app
+from pegaserve.standalone import build_local_frontend
+from pegaserve.testing.scripted import scripted_engine
 from pegaserve.api.protocol import (
     REFUSED_CHAT,
     REFUSED_COMPLETION,
@@ -90,6 +92,7 @@ BEHAVIOUR = {
     "truncation_side": ["test_fields::test_truncate_prompt_tokens"],
     "response_format": ["test_fields::test_a_text_response_format_is_plain_text"],
     "response_format.type": ["test_fields::test_a_text_response_format_is_plain_text"],
+    "cache_salt": ["test_fields::test_cache_salt_keeps_cached_prompts_apart"],
     "request_id": [
         "test_fields::test_the_body_request_id_is_the_correlation_id",
         "test_fields::test_behind_serve_the_body_request_id_beats_the_header_serve_made_up",
@@ -122,7 +125,7 @@ REFUSED_VALUES = {
     "use_beam_search": True, "length_penalty": 1.5, "allowed_token_ids": [1, 2], "bad_words": ["x"],
     "logprob_token_ids": [5], "structured_outputs": {"json": {}}, "guided_json": {"type": "object"},
     "guided_regex": "a+", "guided_choice": ["a", "b"], "guided_grammar": "root ::= 'a'", "priority": 1,
-    "cache_salt": "salt", "kv_transfer_params": {"x": 1}, "vllm_xargs": {"x": 1}, "suffix": "tail", "store": True,
+    "kv_transfer_params": {"x": 1}, "vllm_xargs": {"x": 1}, "suffix": "tail", "store": True,
     "tools": [{"type": "function", "function": {"name": "f"}}], "chat_template": "{{ messages }}",
     "documents": [{"text": "d"}], "functions": [{"name": "f"}], "function_call": "auto", "reasoning_effort": "low",
     "audio": {"voice": "x"}, "prediction": {"type": "content", "content": "x"}, "web_search_options": {},
@@ -245,6 +248,25 @@ def test_the_body_request_id_is_the_correlation_id(server):
                                                                  "request_id": "body"},
                       headers={"X-Request-Id": "header"})
     assert both.headers.get_list("x-request-id") == ["header"]  # the header wins
+
+
+def test_cache_salt_keeps_cached_prompts_apart(tiny_model_dir):
+    engine = scripted_engine(tiny_model_dir, {})
+    prompt = list(range(1000, 1040))  # two full blocks of 16 (the third holds the last token)
+
+    def new_hits(**salt) -> int:
+        before = engine.stats().prefix_cache_hit_tokens
+        response = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": prompt, "max_tokens": 2, **salt})
+        assert response.status_code == 200, response.text
+        return engine.stats().prefix_cache_hit_tokens - before
+
+    with ThreadedServer(build_app(build_local_frontend(engine=engine))) as server:
+        assert new_hits(cache_salt="a") == 0
+        assert new_hits(cache_salt="a") == 32
+        assert new_hits(cache_salt="b") == 0
+        assert new_hits() == 0 and new_hits(cache_salt=None) == 32  # null: unsalted
+        empty = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": prompt, "cache_salt": ""})
+        assert empty.status_code == 400 and empty.json()["error"]["param"] == "cache_salt"
 
 
 def test_add_special_tokens_is_the_tokenizers(server, tiny_model_dir):

@@ -1,9 +1,11 @@
 """Chunked prefill, mixed prefill+decode steps, and automatic prefix caching give exactly the
 tokens of the plain engine, with every block accounted for."""
 
+from dataclasses import replace
+
 import pytest
 
-from pegaserve.engine.block_pool import BlockPool, hash_blocks
+from pegaserve.engine.block_pool import BlockPool, hash_blocks, salt_root
 from pegaserve.engine.build import load_engine
 from pegaserve.engine.engine import EngineConfig
 from tests.engine.helpers import PROMPTS, greedy_request, run_to_completion, token_ids
@@ -73,6 +75,26 @@ def test_a_shared_prefix_is_computed_once(tiny_model_dir):
     idle_and_conserved(engine)
 
 
+def test_a_cache_salt_shares_cached_blocks_only_with_its_own_salt(tiny_model_dir, plain_tokens):
+    engine = load_engine(tiny_model_dir, EngineConfig(num_blocks=256), "sdpa")
+
+    def new_hits(tag, salt) -> int:
+        before = engine.stats().prefix_cache_hit_tokens
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(replace(greedy_request(f"{tag}{i}", prompt, NEW_TOKENS), cache_salt=salt))
+        outputs = run_to_completion(engine)
+        assert {i: token_ids(outputs[f"{tag}{i}"]) for i in range(len(PROMPTS))} == plain_tokens
+        return engine.stats().prefix_cache_hit_tokens - before
+
+    every_full_block = sum(((len(p) - 1) // 16) * 16 for p in PROMPTS)
+    assert new_hits("a", "tenant-a") == 0
+    assert new_hits("b", "tenant-b") == 0  # another salt finds none of a's blocks
+    assert new_hits("u", None) == 0  # nor does an unsalted request
+    assert new_hits("a2", "tenant-a") == every_full_block  # its own salt finds them all
+    assert new_hits("u2", None) == every_full_block
+    idle_and_conserved(engine)
+
+
 def test_cached_blocks_are_evicted_least_recently_used_first(tiny_model_dir):
     engine = load_engine(tiny_model_dir, EngineConfig(num_blocks=12), "sdpa")
     old, new = list(range(100, 148)), list(range(200, 248))  # 3 full blocks each
@@ -100,6 +122,8 @@ def test_block_hashes_chain_and_differ_by_prefix():
     assert len(a) == 2 and a[0] != b[0] and a[1] != b[1]  # the same second block, another prefix
     assert hash_blocks(list(range(32)), 16) == a  # deterministic across calls (and processes)
     assert hash_blocks(list(range(16, 32)), 16, parent=a[0]) == a[1:]
+    salted = hash_blocks(list(range(32)), 16, parent=salt_root("s"))
+    assert salted[0] not in a and salted[1] not in a and salted != hash_blocks(list(range(32)), 16, salt_root("t"))
 
 
 def test_pool_revives_cached_free_blocks_and_evicts_on_allocate():

@@ -1,5 +1,7 @@
 """Roles (prefill-only → decode-only equals colocated), preemption and block conservation."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -218,3 +220,21 @@ def test_the_engine_loop_maps_prefill_s_cache_file_once_and_copies_from_it(tiny_
     assert {rid: token_ids(first[rid] + rest.get(rid, [])) for rid in first} == colocated_tokens
     assert token_ids([out] + rest["gone"]) == colocated_tokens["r1"]
     assert len(loop._sources) == 1  # mapped once for all the handoffs from it
+
+
+def test_a_salted_prompt_finds_no_other_salt_s_blocks_in_either_role(tiny_model_dir, colocated_tokens):
+    prefill, decode = roles(tiny_model_dir)
+
+    def new_hits(salt) -> list[int]:
+        before = [engine.stats().prefix_cache_hit_tokens for engine in (prefill, decode)]
+        requests = [replace(greedy_request(f"r{i}", p, NEW_TOKENS), cache_salt=salt) for i, p in enumerate(PROMPTS)]
+        tokens, _, imported = prefill_then_decode(prefill, decode, requests)
+        assert tokens == colocated_tokens and all(imported.values())
+        return [engine.stats().prefix_cache_hit_tokens - hit for engine, hit in zip((prefill, decode), before)]
+
+    assert new_hits(None) == [0, 0]
+    assert new_hits("tenant-a") == [0, 0]
+    prefill_hits, _ = new_hits("tenant-a")
+    assert prefill_hits == sum(((len(p) - 1) // 16) * 16 for p in PROMPTS)
+    for engine in (prefill, decode):
+        engine.pool.check_conservation()
