@@ -149,12 +149,15 @@ def plan_prompt(
     """`max_tokens` is (value, the parameter that gave it); `echo_text` is None without echo, and
     with it `max_tokens=0` only scores the prompt."""
     policy = _policy(body, prompt_ids, model, limits, *max_tokens, echo=echo_text is not None)
+    sampling = _sampling(body, num_top_logprobs, model, limits)
+    if sampling.allowed_token_ids is not None and sampling.allowed_token_ids <= policy.masked_token_ids(0):
+        raise invalid("allowed_token_ids", "every allowed token is one that min_tokens holds back")
     num_prompt_logprobs = body.prompt_logprobs
     if echo_text is not None and num_top_logprobs is not None:  # echo shows the prompt's logprobs too
         num_prompt_logprobs = max(num_prompt_logprobs or 0, num_top_logprobs)
     return PromptPlan(
         prompt_token_ids=prompt_ids,
-        sampling=_sampling(body, num_top_logprobs, model, limits),
+        sampling=sampling,
         policy=policy,
         stops=StopStrings(_stop_strings(body, limits), body.include_stop_str_in_output),
         skip_special_tokens=body.skip_special_tokens,
@@ -209,6 +212,7 @@ def _sampling(body: SamplingFields, num_top_logprobs: int | None, model: ModelIn
         repetition_penalty=1.0 if body.repetition_penalty == 1.0 else max(body.repetition_penalty,
                                                                            MIN_REPETITION_PENALTY),
         logit_bias=_logit_bias(body, model, limits),
+        allowed_token_ids=_allowed_token_ids(body, model),
     )
 
 
@@ -216,6 +220,18 @@ def _check_range(param: str, value: float, low: float, high: float, open_low: bo
     inside = math.isfinite(value) and (low < value if open_low else low <= value) and value <= high
     if not inside:
         raise invalid(param, f"must be in {'(' if open_low else '['}{low:g}, {high:g}], got {value!r}")
+
+
+def _allowed_token_ids(body: SamplingFields, model: ModelInfo) -> frozenset[int] | None:
+    ids = body.allowed_token_ids
+    if ids is None:
+        return None
+    if not ids:
+        raise invalid("allowed_token_ids", "must hold at least one token id")
+    bad = next((i for i in ids if not 0 <= i < model.vocab_size), None)
+    if bad is not None:
+        raise invalid("allowed_token_ids", f"token id {bad} is outside the vocabulary [0, {model.vocab_size})")
+    return frozenset(ids)
 
 
 def _logit_bias(body: SamplingFields, model: ModelInfo, limits: Limits) -> tuple[tuple[int, float], ...]:

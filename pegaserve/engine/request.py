@@ -36,6 +36,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI: subtracted once per occurrence in the output
     repetition_penalty: float = 1.0  # HF/vLLM: divides (logit > 0) or multiplies, over prompt + output
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token_id, bias) added to the raw logit
+    allowed_token_ids: frozenset[int] | None = None  # vLLM's: every other token masked (None: all allowed)
 
     @property
     def greedy(self) -> bool:

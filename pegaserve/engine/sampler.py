@@ -1,11 +1,12 @@
 """Sampling: batched over a step's logits, one row per request.
 
 Processing, in vLLM's order, on a copy of just the rows that need it (the caller's logits are never
-changed): logit_bias (added), the min_tokens mask (docs/CONTRACT.md rule 6), repetition_penalty over
+changed): allowed_token_ids (every other token masked), logit_bias (added), the min_tokens mask
+(docs/CONTRACT.md rule 6), repetition_penalty over
 prompt + output (HF: each distinct token's logit divided by p if positive, else multiplied), then
 frequency and presence penalties over the output (OpenAI: minus frequency * count, minus presence
-once). The mask is written after the penalties, which changes nothing for valid values (they keep
--inf at -inf) and lets it win over any of them. Greedy rows then take the argmax; sampled rows are
+once). The masks are written after the penalties, which changes nothing for valid values (they keep
+-inf at -inf) and lets them win over any of them. Greedy rows then take the argmax; sampled rows are
 divided by their temperature (inside each exp: no scaled copy), filtered by top-k, top-p (over the
 top-k renormalized distribution) and min_p (relative to the best token), and drawn. Logprobs are
 the log-softmax of the raw logits, as vLLM reports them by default; a row gets its sampled token's
@@ -76,7 +77,9 @@ class SamplingRow:
     @property
     def edited(self) -> bool:
         """Whether its logits differ from the raw ones before temperature."""
-        return bool(self.masked_token_ids or self.params.logit_bias) or self.params.has_penalties
+        params = self.params
+        return bool(self.masked_token_ids or params.logit_bias) or params.has_penalties \
+            or params.allowed_token_ids is not None
 
     @property
     def wants_logprob(self) -> bool:

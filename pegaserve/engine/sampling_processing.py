@@ -1,12 +1,15 @@
 """The sampler's processing of logits before temperature, in vLLM's order (sampler.py's docstring):
-logit_bias, repetition, frequency and presence penalties, then the min_tokens mask. Each phase is batched
-over the rows that use it, and a no-op when none do; all of them write into the rows' own copy.
+logit_bias, repetition, frequency and presence penalties, then the masks: allowed_token_ids (every other
+token) and min_tokens. Each phase is batched over the rows that use it, and a no-op when none do; all
+of them write into the rows' own copy. (vLLM masks by allowed_token_ids first: the same floats, as
+every phase keeps -inf at -inf.)
 """
 
 from __future__ import annotations
 
 import array
 import dataclasses
+import functools
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -37,7 +40,10 @@ def _at_column(row: SamplingRow, column: int) -> SamplingRow:
     params = row.params
     return dataclasses.replace(
         row,
-        params=dataclasses.replace(params, logit_bias=tuple((0, b) for t, b in params.logit_bias if t == column)),
+        params=dataclasses.replace(
+            params, logit_bias=tuple((0, b) for t, b in params.logit_bias if t == column),
+            allowed_token_ids=None if params.allowed_token_ids is None
+            else frozenset({0}) if column in params.allowed_token_ids else frozenset()),
         masked_token_ids=frozenset({0}) if column in row.masked_token_ids else frozenset(),
         output_token_ids=(0,) * row.output_token_ids.count(column),
         prompt_token_ids=(0,) * row.prompt_token_ids.count(column),
@@ -53,9 +59,20 @@ def _add_bias(work: torch.Tensor, rows: list[SamplingRow]) -> None:
 
 
 def _mask(work: torch.Tensor, rows: list[SamplingRow]) -> None:
+    for j, row in enumerate(rows):
+        if row.params.allowed_token_ids is not None:
+            index = _index_of(row.params.allowed_token_ids)
+            kept = work[j].index_select(0, index)
+            work[j].fill_(float("-inf")).index_copy_(0, index, kept)
     masked = [(j, row.masked_token_ids) for j, row in enumerate(rows) if row.masked_token_ids]
     if masked:
         work.view(-1).index_fill_(0, _flat_index(work.shape[1], masked), float("-inf"))
+
+
+@functools.lru_cache(maxsize=256)
+def _index_of(token_ids: frozenset[int]) -> torch.Tensor:
+    """A request's allowed ids as an index, made once (a set may hold most of the vocabulary)."""
+    return torch.tensor(sorted(token_ids), dtype=torch.long)
 
 
 def _apply_penalties(work: torch.Tensor, rows: list[SamplingRow]) -> None:

@@ -5,8 +5,8 @@ full logits:
 - A row that wants the raw argmax alone (`sampler.argmax_only`) takes the screened argmax: the full
   logits' own, bit for bit.
 - A sampled row without filter, logprob or draft (`draws_by_rejection`) is drawn by rejection from
-  upper bounds U_j >= L_j of its fp32 logits L. Its processing (logit_bias, penalties, the min_tokens
-  mask: sampling_processing.py) maps each logit alone, by float32 ops that never turn a larger
+  upper bounds U_j >= L_j of its fp32 logits L. Its processing (logit_bias, penalties, the allowed_token_ids
+  and min_tokens masks: sampling_processing.py) maps each logit alone, by float32 ops that never turn a larger
   logit into a smaller one, so processed bounds bound processed logits: below, U and L stand for
   both processed (the bounds by `_edit`, the one exact logit by `edit_at`, the same ops on the same
   float as the full logits' path). The sampler's own draw (`_draw`, its cells and floor) proposes

@@ -93,6 +93,7 @@ BEHAVIOUR = {
     "response_format": ["test_fields::test_a_text_response_format_is_plain_text"],
     "response_format.type": ["test_fields::test_a_text_response_format_is_plain_text"],
     "cache_salt": ["test_fields::test_cache_salt_keeps_cached_prompts_apart"],
+    "allowed_token_ids": ["test_fields::test_allowed_token_ids_are_the_only_tokens_sampled"],
     "request_id": [
         "test_fields::test_the_body_request_id_is_the_correlation_id",
         "test_fields::test_behind_serve_the_body_request_id_beats_the_header_serve_made_up",
@@ -122,7 +123,7 @@ NO_EFFECT = {
 }
 # refused unless at the default: (field, a non-default value)
 REFUSED_VALUES = {
-    "use_beam_search": True, "length_penalty": 1.5, "allowed_token_ids": [1, 2], "bad_words": ["x"],
+    "use_beam_search": True, "length_penalty": 1.5, "bad_words": ["x"],
     "logprob_token_ids": [5], "structured_outputs": {"json": {}}, "guided_json": {"type": "object"},
     "guided_regex": "a+", "guided_choice": ["a", "b"], "guided_grammar": "root ::= 'a'", "priority": 1,
     "kv_transfer_params": {"x": 1}, "vllm_xargs": {"x": 1}, "suffix": "tail", "store": True,
@@ -248,6 +249,26 @@ def test_the_body_request_id_is_the_correlation_id(server):
                                                                  "request_id": "body"},
                       headers={"X-Request-Id": "header"})
     assert both.headers.get_list("x-request-id") == ["header"]  # the header wins
+
+
+def test_allowed_token_ids_are_the_only_tokens_sampled(server):
+    def token_ids(endpoint: str, **body) -> list[int]:
+        response = post(server, endpoint, return_token_ids=True, **body)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["token_ids"]
+
+    assert token_ids("completions", temperature=0) == [64, 293, 272]  # the script
+    # the script's token masked, the runner-up 65 (logit 10) beats the rest (0)
+    assert token_ids("completions", temperature=0, allowed_token_ids=[65, 66]) == [65, 65, 65]
+    assert token_ids("chat", temperature=0, allowed_token_ids=[70, 65]) == [65, 65, 65]
+    assert token_ids("completions", temperature=0, allowed_token_ids=[293, 70]) == [70, 293, 70]
+    assert set(token_ids("completions", seed=1, allowed_token_ids=[66, 67], max_tokens=16)) == {66, 67}
+    for bad, why in (([], "at least one"), ([5, 10**9], "outside the vocabulary")):
+        refused = post(server, "completions", allowed_token_ids=bad)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "allowed_token_ids", refused.text
+        assert why in refused.json()["error"]["message"]
+    held_back = post(server, "completions", allowed_token_ids=[66], stop_token_ids=[66], min_tokens=1)
+    assert held_back.status_code == 400 and held_back.json()["error"]["param"] == "allowed_token_ids"
 
 
 def test_cache_salt_keeps_cached_prompts_apart(tiny_model_dir):

@@ -7,7 +7,7 @@ import torch
 
 from pegaserve.engine.build import load_engine
 from pegaserve.engine.engine import EngineConfig, Role
-from pegaserve.engine.request import Handoff
+from pegaserve.engine.request import Handoff, SamplingParams
 from pegaserve.stop import Eos, Length
 from pegaserve.testing.scripted import scripted_engine
 from tests.engine.helpers import EOS_IDS, PROMPTS, greedy_request, run_to_completion, token_ids
@@ -238,3 +238,19 @@ def test_a_salted_prompt_finds_no_other_salt_s_blocks_in_either_role(tiny_model_
     assert prefill_hits == sum(((len(p) - 1) // 16) * 16 for p in PROMPTS)
     for engine in (prefill, decode):
         engine.pool.check_conservation()
+
+
+def test_allowed_token_ids_hold_on_both_sides_of_the_handoff(tiny_model_dir):
+    allowed = frozenset(range(1000, 1010))
+
+    def requests():
+        return [replace(greedy_request(f"r{i}", p, NEW_TOKENS), sampling=SamplingParams(seed=i, allowed_token_ids=allowed))
+                for i, p in enumerate(PROMPTS)]  # fmt: skip
+
+    colocated = load_engine(tiny_model_dir, EngineConfig(num_blocks=256), attention_backend="sdpa")
+    for request in requests():
+        colocated.add_request(request)
+    expected = {rid: token_ids(outputs) for rid, outputs in run_to_completion(colocated).items()}
+    tokens, _, _ = prefill_then_decode(*roles(tiny_model_dir), requests())
+    assert tokens == expected
+    assert all(set(t) <= allowed and len(t) == NEW_TOKENS for t in tokens.values())

@@ -15,9 +15,11 @@ INF = float("inf")
 
 
 def reference(logits: list[float], r: SamplingRow) -> list[float]:
-    """vLLM's order: bias, mask, repetition (prompt + output, each token once), then frequency and
-    presence (output only)."""
+    """vLLM's order: allowed_token_ids, bias, mask, repetition (prompt + output, each token once),
+    then frequency and presence (output only)."""
     x, p = list(logits), r.params
+    if p.allowed_token_ids is not None:
+        x = [v if t in p.allowed_token_ids else -INF for t, v in enumerate(x)]
     for token_id, bias in p.logit_bias:
         x[token_id] += bias
     for token_id in r.masked_token_ids:
@@ -52,6 +54,12 @@ PENALTIES = {
         "frequency_penalty": 0.25,
         "repetition_penalty": 1.2,
         "logit_bias": ((3, 2.5), (5, -1.0)),
+    },
+    "allowed-with-penalties-bias-and-mask": {
+        "repetition_penalty": 0.8,
+        "frequency_penalty": 0.5,
+        "logit_bias": ((3, 2.5), (4, -1.0)),
+        "allowed_token_ids": frozenset({1, 3, 4, 5, 9}),
     },
 }
 
@@ -133,6 +141,20 @@ def test_the_mask_wins_over_any_bias_or_penalty():
     assert 7 not in drawn(logits, 500, masked=masked, **push)
     assert 7 not in drawn(logits, 500, masked=masked, top_k=3, **push)
     assert set(drawn(logits, 50, **push)) == {7}  # unmasked, it is all there is (so this can fail)
+
+
+def test_allowed_token_ids_keep_greedy_picks_and_draws_to_themselves_with_their_own_law():
+    logits = random_logits(1, vocab=1000, scale=3.0, seed=15)[0]
+    allowed = frozenset(logits.argsort()[:3].tolist())  # the three least likely tokens
+    (token,) = sample(logits[None], [row(temperature=0.0, allowed_token_ids=allowed)])
+    assert token.token_id == max(allowed, key=lambda t: logits[t])
+    assert token.logprob == pytest.approx(float(logits.log_softmax(0)[token.token_id]))  # raw, as vLLM reports
+    draws = drawn(logits, 3000, allowed_token_ids=allowed)
+    assert set(draws) <= allowed
+    restricted = torch.full_like(logits, -INF)
+    restricted[list(allowed)] = logits[list(allowed)]
+    assert drawn(restricted, 3000) == draws  # the same uniforms: the same tokens as from the masked logits
+    assert set(drawn(logits, 200)) - allowed  # without it, other tokens come (so this can fail)
 
 
 # --- min_p, top-p at a temperature ------------------------------------------------------------------

@@ -182,17 +182,33 @@ def test_processed_rows_drawn_by_rejection_have_the_processed_logits_law(monkeyp
     assert _binned_chi_square(tokens, processed, temperature) < CHI2_15_DOF
 
 
+@needs_kernel
+def test_rows_with_allowed_token_ids_drawn_by_rejection_keep_to_them_with_the_masked_logits_law():
+    head, hidden = _head(seed=8)
+    logits = head.logits(hidden[None])[0]
+    order = logits.argsort(descending=True).tolist()
+    allowed = frozenset(order[2:40:2] + order[1000:1003])  # every other one of the best, three unlikely ones
+    full = _FullLogits(head.logits)
+    tokens = _draws(head, hidden, full, allowed_token_ids=allowed)
+    assert full.rows == 0 and set(tokens) <= allowed
+    masked = torch.full_like(logits, float("-inf"))
+    masked[list(allowed)] = logits[list(allowed)]
+    assert _binned_chi_square(tokens, masked, 1.0) < CHI2_15_DOF
+
+
 def test_edit_at_is_the_full_rows_processing_at_each_column():
     """The one-column processing the rejection draw checks a proposal with is the same float as the
     whole row's, at every column of rows with every kind of processing (and of none)."""
     generator = torch.Generator().manual_seed(9)
-    logits = torch.randn(4, 300, generator=generator) * 4
+    logits = torch.randn(5, 300, generator=generator) * 4
     logits[:, :3] = torch.tensor([0.0, -0.0, float("-inf")])
     rows = [_processed_row(logits[0], 1, 1.0), _row(2),
             SamplingRow(SamplingParams(repetition_penalty=0.7, logit_bias=((4, 0.1), (4, 0.2))), 5,
                         prompt_token_ids=(4, 4, 9, 1), output_token_ids=(0, 2)),
             SamplingRow(SamplingParams(frequency_penalty=-0.3, presence_penalty=1e-8), 2,
-                        masked_token_ids=frozenset({7, 8}), output_token_ids=(7, 9, 9, 9, 11))]
+                        masked_token_ids=frozenset({7, 8}), output_token_ids=(7, 9, 9, 9, 11)),
+            SamplingRow(SamplingParams(allowed_token_ids=frozenset({0, 2, 7, 40, 41}), logit_bias=((40, 1.0),)), 1,
+                        masked_token_ids=frozenset({7}))]
     processed = process_logits(logits, rows)
     columns = list(range(logits.shape[1]))
     for i, row in enumerate(rows):
