@@ -33,6 +33,7 @@ def completion_job(frontend: Frontend, body: CompletionRequest, header_id: str |
     prompts = _split_prompts(body.prompt)
     v.check_common(body, len(prompts), frontend.limits)
     num_top = v.check_completion(body, frontend.limits)
+    banned = bad_words(frontend, body)
     plans = []
     for prompt in prompts:
         raw = encode(frontend.tokenizer, prompt, body.add_special_tokens) if isinstance(prompt, str) else list(prompt)
@@ -42,7 +43,8 @@ def completion_job(frontend: Frontend, body: CompletionRequest, header_id: str |
             echo = prompt if isinstance(prompt, str) and len(ids) == len(raw) \
                 else frontend.tokenizer.decode(list(ids), skip_special_tokens=False)
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        plans.append(v.plan_prompt(body, ids, frontend.model, frontend.limits, (max_tokens, "max_tokens"), num_top, echo))
+        plans.append(v.plan_prompt(body, ids, frontend.model, frontend.limits, (max_tokens, "max_tokens"), num_top, echo,
+                                   bad_words=banned))
     response_id = new_response_id("cmpl")
     wire = _wire(frontend, body, Endpoint.COMPLETIONS, response_id, num_top, echo=body.echo)
     return _job(body, response_id, header_id, plans, wire)
@@ -66,7 +68,8 @@ def chat_job(frontend: Frontend, body: ChatCompletionRequest, header_id: str | N
     role = "assistant" if body.add_generation_prompt else body.messages[-1].role
     last = body.messages[-1]
     echo = message_text(last.content) if body.echo and last.role == role else ""  # vLLM's chat echo
-    plan = replace(v.plan_prompt(body, ids, frontend.model, frontend.limits, max_tokens, num_top), echo_text=echo)
+    plan = replace(v.plan_prompt(body, ids, frontend.model, frontend.limits, max_tokens, num_top,
+                                 bad_words=bad_words(frontend, body)), echo_text=echo)
     response_id = new_response_id("chatcmpl")
     wire = _wire(frontend, body, Endpoint.CHAT, response_id, num_top, role=role)
     return _job(body, response_id, header_id, [plan], wire)
@@ -116,6 +119,27 @@ def _split_prompts(prompt) -> list[str | list[int]]:
 
 
 LONG_TEXT_CHARS = 8 << 10  # a few ms to tokenize: past it, tokenizing lets other threads run
+
+
+def bad_words(frontend: Frontend, body: SamplingFields) -> tuple[tuple[int, ...], ...]:
+    """`bad_words` as the token sequences the engine forbids (vLLM's reading): each word with its
+    leading spaces stripped, and, where the tokenizer gives the word after a space other tokens of
+    the same count (mid-text), those too."""
+    words, limits = body.bad_words or [], frontend.limits
+    if len(words) > limits.max_bad_words:
+        raise invalid("bad_words", f"at most {limits.max_bad_words} words, got {len(words)}")
+    sequences = []
+    for word in words:
+        bare = word.lstrip()
+        if not bare or len(word) > limits.max_bad_word_chars:
+            raise invalid("bad_words", f"each word must have 1 to {limits.max_bad_word_chars} characters and not be "
+                                       f"only spaces, got {word[:40]!r}")
+        alone = tuple(encode(frontend.tokenizer, bare, False))
+        spaced = tuple(encode(frontend.tokenizer, " " + bare, False))
+        sequences.append(alone)
+        if spaced[0] != alone[0] and len(spaced) == len(alone):
+            sequences.append(spaced)
+    return tuple(dict.fromkeys(sequences))
 
 
 def encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:

@@ -66,6 +66,7 @@ class SamplingFields(Body):
     repetition_penalty: float = 1.0
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[StrictInt] | None = None  # vLLM's: sample only among these
+    bad_words: list[str] | None = None  # vLLM's: words the output may not form
     prompt_logprobs: StrictInt | None = None
     truncate_prompt_tokens: StrictInt | None = None
     truncation_side: Literal["left", "right"] = "left"
@@ -77,7 +78,6 @@ class SamplingFields(Body):
     # Refused unless at their defaults (`REFUSED`):
     use_beam_search: StrictBool = False
     length_penalty: float = 1.0
-    bad_words: list[str] | None = None
     logprob_token_ids: list[StrictInt] | None = None
     structured_outputs: JsonValue = None
     guided_json: JsonValue = None
@@ -133,7 +133,7 @@ class ChatCompletionRequest(SamplingFields):
 
 
 REFUSED_SHARED = (
-    "use_beam_search", "length_penalty", "bad_words", "logprob_token_ids", "structured_outputs",
+    "use_beam_search", "length_penalty", "logprob_token_ids", "structured_outputs",
     "guided_json", "guided_regex", "guided_choice", "guided_grammar", "priority", "kv_transfer_params",
     "vllm_xargs",
 )

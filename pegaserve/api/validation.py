@@ -37,6 +37,8 @@ class Limits:
     max_tokens: int | None = None  # a cap on max_tokens; None: only the context limits it
     max_choices: int = 128  # choices in one request: prompts times n (OpenAI's n is at most 128)
     max_logit_bias: int = 2048  # entries in logit_bias
+    max_bad_words: int = 128
+    max_bad_word_chars: int = 256
 
 
 @dataclass(frozen=True)
@@ -145,11 +147,13 @@ def plan_prompt(
     max_tokens: tuple[int | None, str],
     num_top_logprobs: int | None,
     echo_text: str | None = None,
+    bad_words: tuple[tuple[int, ...], ...] = (),
 ) -> PromptPlan:
     """`max_tokens` is (value, the parameter that gave it); `echo_text` is None without echo, and
-    with it `max_tokens=0` only scores the prompt."""
+    with it `max_tokens=0` only scores the prompt; `bad_words` are the request's as token sequences
+    (`jobs.bad_words`)."""
     policy = _policy(body, prompt_ids, model, limits, *max_tokens, echo=echo_text is not None)
-    sampling = _sampling(body, num_top_logprobs, model, limits)
+    sampling = _sampling(body, num_top_logprobs, model, limits, bad_words)
     if sampling.allowed_token_ids is not None and sampling.allowed_token_ids <= policy.masked_token_ids(0):
         raise invalid("allowed_token_ids", "every allowed token is one that min_tokens holds back")
     num_prompt_logprobs = body.prompt_logprobs
@@ -189,7 +193,8 @@ def _policy(body: SamplingFields, prompt_ids: tuple[int, ...], model: ModelInfo,
                       ignore_eos=body.ignore_eos, min_tokens=body.min_tokens)
 
 
-def _sampling(body: SamplingFields, num_top_logprobs: int | None, model: ModelInfo, limits: Limits) -> SamplingParams:
+def _sampling(body: SamplingFields, num_top_logprobs: int | None, model: ModelInfo, limits: Limits,
+              bad_words: tuple[tuple[int, ...], ...]) -> SamplingParams:
     _check_range("temperature", body.temperature, 0.0, 2.0)
     _check_range("top_p", body.top_p, 0.0, 1.0, open_low=True)
     _check_range("min_p", body.min_p, 0.0, 1.0)
@@ -213,6 +218,7 @@ def _sampling(body: SamplingFields, num_top_logprobs: int | None, model: ModelIn
                                                                            MIN_REPETITION_PENALTY),
         logit_bias=_logit_bias(body, model, limits),
         allowed_token_ids=_allowed_token_ids(body, model),
+        bad_words=bad_words,
     )
 
 

@@ -37,6 +37,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # HF/vLLM: divides (logit > 0) or multiplies, over prompt + output
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token_id, bias) added to the raw logit
     allowed_token_ids: frozenset[int] | None = None  # vLLM's: every other token masked (None: all allowed)
+    # vLLM's bad_words, as token sequences: each one's last token is masked where the output ends with the rest
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
     @property
     def greedy(self) -> bool:

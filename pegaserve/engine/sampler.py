@@ -68,7 +68,7 @@ class SamplingRow:
 
     params: SamplingParams
     num_output_tokens: int  # the sampled token's 0-based position among generated ones: keys the seed
-    masked_token_ids: frozenset[int] = frozenset()  # min_tokens masking (docs/CONTRACT.md rule 6)
+    masked_token_ids: frozenset[int] = frozenset()  # min_tokens (docs/CONTRACT.md rule 6), bad words
     output_token_ids: tuple[int, ...] = ()  # generated so far (presence/frequency/repetition)
     prompt_token_ids: tuple[int, ...] = ()  # repetition_penalty covers prompt + output
     draft_token_id: int | None = None  # a speculative proposal for this position

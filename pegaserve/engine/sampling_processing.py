@@ -69,6 +69,18 @@ def _mask(work: torch.Tensor, rows: list[SamplingRow]) -> None:
         work.view(-1).index_fill_(0, _flat_index(work.shape[1], masked), float("-inf"))
 
 
+def bad_word_bans(bad_words: Sequence[Sequence[int]], output_token_ids: Sequence[int]) -> frozenset[int]:
+    """The tokens `bad_words` (token sequences) forbid next: each word's last token where the output so
+    far ends with the word's other tokens (a one-token word's, always). vLLM's rule; the engine masks
+    them with the min_tokens mask."""
+    banned = set()
+    for word in bad_words:
+        start = len(output_token_ids) - (len(word) - 1)
+        if start >= 0 and all(output_token_ids[start + i] == t for i, t in enumerate(word[:-1])):
+            banned.add(word[-1])
+    return frozenset(banned)
+
+
 @functools.lru_cache(maxsize=256)
 def _index_of(token_ids: frozenset[int]) -> torch.Tensor:
     """A request's allowed ids as an index, made once (a set may hold most of the vocabulary)."""

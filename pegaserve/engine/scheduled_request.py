@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pegaserve.engine.request import RequestState
 from pegaserve.engine.sampler import SamplingRow
+from pegaserve.engine.sampling_processing import bad_word_bans
 from pegaserve.engine.scheduler_output import SampleAt, ScheduledRequest
 
 
@@ -38,10 +39,13 @@ def scheduled_request(request: RequestState, num_new: int, block_ids: tuple[int,
 
 def _row(request: RequestState, num_output: int, drafts: tuple[int, ...] = (), draft: int | None = None) -> SamplingRow:
     """The row that samples `request`'s output token `num_output`: the `drafts` before it count as output
-    (for the penalties), and `draft` is proposed for it."""
+    (for the penalties and bad words), and `draft` is proposed for it."""
     params = request.sampling
+    masked = request.policy.masked_token_ids(num_output)
+    if params.bad_words:
+        masked |= bad_word_bans(params.bad_words, request.output_token_ids + drafts)
     return SamplingRow(
-        params, num_output, request.policy.masked_token_ids(num_output),
+        params, num_output, masked,
         output_token_ids=request.output_token_ids + drafts if params.has_penalties else (),
         prompt_token_ids=request.spec.prompt_token_ids if params.repetition_penalty != 1.0 else (),
         draft_token_id=draft,

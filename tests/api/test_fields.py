@@ -94,6 +94,7 @@ BEHAVIOUR = {
     "response_format.type": ["test_fields::test_a_text_response_format_is_plain_text"],
     "cache_salt": ["test_fields::test_cache_salt_keeps_cached_prompts_apart"],
     "allowed_token_ids": ["test_fields::test_allowed_token_ids_are_the_only_tokens_sampled"],
+    "bad_words": ["test_fields::test_bad_words_are_never_completed"],
     "request_id": [
         "test_fields::test_the_body_request_id_is_the_correlation_id",
         "test_fields::test_behind_serve_the_body_request_id_beats_the_header_serve_made_up",
@@ -123,7 +124,7 @@ NO_EFFECT = {
 }
 # refused unless at the default: (field, a non-default value)
 REFUSED_VALUES = {
-    "use_beam_search": True, "length_penalty": 1.5, "bad_words": ["x"],
+    "use_beam_search": True, "length_penalty": 1.5,
     "logprob_token_ids": [5], "structured_outputs": {"json": {}}, "guided_json": {"type": "object"},
     "guided_regex": "a+", "guided_choice": ["a", "b"], "guided_grammar": "root ::= 'a'", "priority": 1,
     "kv_transfer_params": {"x": 1}, "vllm_xargs": {"x": 1}, "suffix": "tail", "store": True,
@@ -269,6 +270,23 @@ def test_allowed_token_ids_are_the_only_tokens_sampled(server):
         assert why in refused.json()["error"]["message"]
     held_back = post(server, "completions", allowed_token_ids=[66], stop_token_ids=[66], min_tokens=1)
     assert held_back.status_code == 400 and held_back.json()["error"]["param"] == "allowed_token_ids"
+
+
+def test_bad_words_are_never_completed(server):
+    def token_ids(endpoint: str, **body) -> list[int]:
+        response = post(server, endpoint, temperature=0, return_token_ids=True, **body)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["token_ids"]
+
+    # the script: 64 "a", 293 " b", 272 " c"; the runner-up 65 "b", the rest 0 (the first of them: 0)
+    assert token_ids("completions", bad_words=["b"]) == [64, 0, 272]  # "b" and " b" alike
+    assert token_ids("completions", bad_words=["a b"]) == [64, 65, 272]  # " b" only right after "a"
+    assert token_ids("completions", bad_words=["  a b", "c"]) == [64, 65, 65]  # " c" masked: the runner-up
+    assert token_ids("chat") == [64, 64, 64] and token_ids("chat", bad_words=["a"]) == [65, 65, 65]  # no script
+    assert token_ids("completions", bad_words=["b a"]) == [64, 293, 272]  # never formed: nothing changes
+    for bad in (["  "], [""], ["x"] * 129, ["y" * 257]):
+        refused = post(server, "completions", bad_words=bad)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "bad_words", refused.text
 
 
 def test_cache_salt_keeps_cached_prompts_apart(tiny_model_dir):

@@ -254,3 +254,14 @@ def test_allowed_token_ids_hold_on_both_sides_of_the_handoff(tiny_model_dir):
     tokens, _, _ = prefill_then_decode(*roles(tiny_model_dir), requests())
     assert tokens == expected
     assert all(set(t) <= allowed and len(t) == NEW_TOKENS for t in tokens.values())
+
+
+def test_bad_words_read_the_tokens_prefill_gave_once_decode_has_them(tiny_model_dir, colocated_tokens):
+    # each prompt's first two greedy tokens, as a word: the second may not follow the first, which prefill chose
+    requests = [replace(greedy_request(f"r{i}", p, NEW_TOKENS),
+                        sampling=SamplingParams(temperature=0.0, bad_words=(tuple(colocated_tokens[f"r{i}"][:2]),)))
+                for i, p in enumerate(PROMPTS)]  # fmt: skip
+    tokens, _, _ = prefill_then_decode(*roles(tiny_model_dir), requests)
+    for rid, plain in colocated_tokens.items():
+        assert tokens[rid][0] == plain[0] and tokens[rid][1] != plain[1]
+        assert all(tokens[rid][k:k + 2] != plain[:2] for k in range(NEW_TOKENS - 1))

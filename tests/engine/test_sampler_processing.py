@@ -9,6 +9,7 @@ import torch
 
 from pegaserve.engine.request import SamplingParams
 from pegaserve.engine.sampler import SamplingRow, process_logits, sample, score_tokens
+from pegaserve.engine.sampling_processing import bad_word_bans
 from tests.engine.test_sampler import CHI2_7_DOF, chi_square, drawn, random_logits, row
 
 INF = float("inf")
@@ -155,6 +156,16 @@ def test_allowed_token_ids_keep_greedy_picks_and_draws_to_themselves_with_their_
     restricted[list(allowed)] = logits[list(allowed)]
     assert drawn(restricted, 3000) == draws  # the same uniforms: the same tokens as from the masked logits
     assert set(drawn(logits, 200)) - allowed  # without it, other tokens come (so this can fail)
+
+
+def test_bad_words_ban_their_last_token_where_the_output_ends_with_the_rest():
+    words = ((7,), (1, 2), (3, 1, 2, 9), (4, 4))
+    assert bad_word_bans(words, ()) == {7}  # a one-token word: always
+    assert bad_word_bans(words, (5, 1)) == {7, 2}
+    assert bad_word_bans(words, (3, 1, 2)) == {7, 9}  # (1, 2) is there already: only 9 completes a word
+    assert bad_word_bans(words, (1, 2, 1)) == {7, 2}
+    assert bad_word_bans(words, (4,)) == {7, 4}
+    assert bad_word_bans(words, (1, 3)) == {7}
 
 
 # --- min_p, top-p at a temperature ------------------------------------------------------------------

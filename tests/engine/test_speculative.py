@@ -107,6 +107,15 @@ def test_min_tokens_masking_applies_per_drafted_position(tiny_model_dir):
     assert token_ids(outputs) == [65] * 6 + [151645]
 
 
+def test_bad_words_apply_per_drafted_position(tiny_model_dir):
+    # the script continues the loop, so drafts propose 24 after 23: the drafts before a position count
+    # as its output, and the bad word (23, 24) gives that position to the runner-up 65
+    request = EngineRequest("r", LOOP * 3, SamplingParams(temperature=0.0, bad_words=((23, 24),)),
+                            StopPolicy(12, eos_token_ids=EOS_IDS))
+    outputs, stats = run_script(tiny_model_dir, LOOP * 3, request)
+    assert token_ids(outputs) == [21, 22, 23, 65] * 3 and stats.num_draft_tokens > 0
+
+
 def test_decode_role_speculates_after_the_first_token(tiny_model_dir):
     script = {LOOP * 3: LOOP * 5}
     prefill = scripted_engine(tiny_model_dir, script, EngineConfig(role=Role.PREFILL, num_blocks=32))
