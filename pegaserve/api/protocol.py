@@ -36,7 +36,8 @@ class StreamOptions(Body):
 
 
 class ResponseFormat(Body):
-    type: str  # only "text" is served
+    type: str  # "text", "json_object" or "json_schema"
+    json_schema: dict[str, JsonValue] | None = None  # OpenAI's: {"name", "schema", "strict", "description"}
 
 
 class SamplingFields(Body):
@@ -67,6 +68,12 @@ class SamplingFields(Body):
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[StrictInt] | None = None  # vLLM's: sample only among these
     bad_words: list[str] | None = None  # vLLM's: words the output may not form
+    # structured outputs (at most one of them, with response_format's json_object / json_schema):
+    structured_outputs: JsonValue = None  # vLLM's: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
+    guided_json: JsonValue = None  # vLLM's older names of the same
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     prompt_logprobs: StrictInt | None = None
     truncate_prompt_tokens: StrictInt | None = None
     truncation_side: Literal["left", "right"] = "left"
@@ -79,11 +86,6 @@ class SamplingFields(Body):
     use_beam_search: StrictBool = False
     length_penalty: float = 1.0
     logprob_token_ids: list[StrictInt] | None = None
-    structured_outputs: JsonValue = None
-    guided_json: JsonValue = None
-    guided_regex: JsonValue = None
-    guided_choice: JsonValue = None
-    guided_grammar: JsonValue = None
     priority: StrictInt = 0
     kv_transfer_params: JsonValue = None
     vllm_xargs: JsonValue = None
@@ -133,8 +135,7 @@ class ChatCompletionRequest(SamplingFields):
 
 
 REFUSED_SHARED = (
-    "use_beam_search", "length_penalty", "logprob_token_ids", "structured_outputs",
-    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "priority", "kv_transfer_params",
+    "use_beam_search", "length_penalty", "logprob_token_ids", "priority", "kv_transfer_params",
     "vllm_xargs",
 )
 REFUSED_COMPLETION = (*REFUSED_SHARED, "suffix")

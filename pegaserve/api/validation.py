@@ -4,6 +4,7 @@ the parameter."""
 
 from __future__ import annotations
 
+import json
 import math
 import secrets
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from pegaserve.api.choice import StopStrings
 from pegaserve.api.errors import ApiError, invalid
 from pegaserve.api.model_info import ModelInfo
 from pegaserve.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from pegaserve.engine.grammar import GrammarSpec
 from pegaserve.engine.request import SamplingParams
 from pegaserve.stop import StopPolicy
 
@@ -81,8 +83,6 @@ def check_common(body: SamplingFields, num_prompts: int, limits: Limits) -> None
         raise invalid("n", f"must be at least 1, got {body.n}")
     if body.n * num_prompts > limits.max_choices:
         raise invalid("n", f"{num_prompts} prompt(s) times n={body.n} is more than {limits.max_choices} choices")
-    if body.response_format is not None and body.response_format.type != "text":
-        raise invalid("response_format", f"only {{'type': 'text'}} is supported, got {body.response_format.type!r}")
     if body.seed is not None and not INT64[0] <= body.seed <= INT64[1]:
         raise invalid("seed", f"must be a 64-bit integer, got {body.seed}")
     if body.cache_salt == "":
@@ -153,7 +153,7 @@ def plan_prompt(
     with it `max_tokens=0` only scores the prompt; `bad_words` are the request's as token sequences
     (`jobs.bad_words`)."""
     policy = _policy(body, prompt_ids, model, limits, *max_tokens, echo=echo_text is not None)
-    sampling = _sampling(body, num_top_logprobs, model, limits, bad_words)
+    sampling = _sampling(body, num_top_logprobs, model, limits, bad_words, structured_output(body))
     if sampling.allowed_token_ids is not None and sampling.allowed_token_ids <= policy.masked_token_ids(0):
         raise invalid("allowed_token_ids", "every allowed token is one that min_tokens holds back")
     num_prompt_logprobs = body.prompt_logprobs
@@ -194,7 +194,7 @@ def _policy(body: SamplingFields, prompt_ids: tuple[int, ...], model: ModelInfo,
 
 
 def _sampling(body: SamplingFields, num_top_logprobs: int | None, model: ModelInfo, limits: Limits,
-              bad_words: tuple[tuple[int, ...], ...]) -> SamplingParams:
+              bad_words: tuple[tuple[int, ...], ...], grammar: GrammarSpec | None) -> SamplingParams:
     _check_range("temperature", body.temperature, 0.0, 2.0)
     _check_range("top_p", body.top_p, 0.0, 1.0, open_low=True)
     _check_range("min_p", body.min_p, 0.0, 1.0)
@@ -219,6 +219,7 @@ def _sampling(body: SamplingFields, num_top_logprobs: int | None, model: ModelIn
         logit_bias=_logit_bias(body, model, limits),
         allowed_token_ids=_allowed_token_ids(body, model),
         bad_words=bad_words,
+        grammar=grammar,
     )
 
 
@@ -226,6 +227,79 @@ def _check_range(param: str, value: float, low: float, high: float, open_low: bo
     inside = math.isfinite(value) and (low < value if open_low else low <= value) and value <= high
     if not inside:
         raise invalid(param, f"must be in {'(' if open_low else '['}{low:g}, {high:g}], got {value!r}")
+
+
+# vLLM's structured_outputs keys, and its older guided_* fields, by the kind of grammar they give
+_STRUCTURED_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "ebnf",
+                     "json_object": "json_object"}
+_GUIDED_KINDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "ebnf"}
+
+
+def structured_output(body: SamplingFields) -> GrammarSpec | None:
+    """The grammar the output must match (pegaserve/engine/grammar.py), from whichever one field
+    asks for one: response_format (json_object, json_schema), structured_outputs or a guided_* field."""
+    asked: list[tuple[str, GrammarSpec]] = []
+    form = body.response_format
+    if form is not None and form.type == "json_object":
+        asked.append(("response_format", GrammarSpec("json_object")))
+    elif form is not None and form.type == "json_schema":
+        schema = (form.json_schema or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise invalid("response_format", "json_schema needs a JSON schema object in json_schema.schema")
+        asked.append(("response_format", GrammarSpec("json_schema", json.dumps(schema))))
+    elif form is not None and form.type != "text":
+        raise invalid("response_format", f"type must be 'text', 'json_object' or 'json_schema', got {form.type!r}")
+    for name, kind in _GUIDED_KINDS.items():
+        if getattr(body, name) is not None:
+            asked.append((name, _grammar_spec(name, kind, getattr(body, name))))
+    if body.structured_outputs is not None:
+        if not isinstance(body.structured_outputs, dict):
+            raise invalid("structured_outputs", "must be an object such as {\"json\": <schema>} or {\"regex\": ...}")
+        for key, value in body.structured_outputs.items():
+            if value is None or value is False:
+                continue
+            if key not in _STRUCTURED_KINDS:
+                raise invalid("structured_outputs", f"{key!r} is not supported (only {', '.join(_STRUCTURED_KINDS)})")
+            asked.append(("structured_outputs", _grammar_spec("structured_outputs", _STRUCTURED_KINDS[key], value)))
+    if not asked:
+        return None
+    if len(asked) > 1:
+        raise invalid(asked[1][0], "only one structured output per request (response_format, structured_outputs "
+                                   "or a guided_* field), and only one kind of it")
+    param, grammar = asked[0]
+    try:
+        grammar.check()
+    except ValueError as exc:
+        raise invalid(param, f"cannot be used as a grammar: {exc}") from None
+    if body.ignore_eos:
+        raise invalid("ignore_eos", "must be false with a structured output: its grammar ends at EOS")
+    if body.min_tokens:
+        raise invalid("min_tokens", "must be 0 with a structured output: the grammar decides where it ends")
+    return grammar
+
+
+def _grammar_spec(param: str, kind: str, value) -> GrammarSpec:
+    if kind == "json_object":
+        if value is not True:
+            raise invalid(param, "json_object must be true")
+        return GrammarSpec(kind)
+    if kind == "json_schema":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise invalid(param, "the JSON schema is not valid JSON") from None
+        if not isinstance(value, dict):
+            raise invalid(param, "the JSON schema must be an object")
+        return GrammarSpec(kind, json.dumps(value))
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise invalid(param, "the choice must be a list of non-empty strings")
+        return GrammarSpec(kind, json.dumps(value))
+    if not isinstance(value, str) or not value:
+        raise invalid(param, f"the {'regex' if kind == 'regex' else 'grammar'} must be a non-empty string")
+    return GrammarSpec(kind, value)
 
 
 def _allowed_token_ids(body: SamplingFields, model: ModelInfo) -> frozenset[int] | None:

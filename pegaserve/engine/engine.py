@@ -18,6 +18,7 @@ import torch
 
 from pegaserve.engine.block_pool import BlockPool
 from pegaserve.engine.config import EngineConfig, Role, SpeculativeConfig
+from pegaserve.engine.grammar import Grammars
 from pegaserve.engine.kv_manager import KvCacheManager
 from pegaserve.engine.request import EngineRequest, Handoff, ParkedKv, RequestState, StepOutput
 from pegaserve.engine.runner import ModelRunner, copy_blocks
@@ -74,7 +75,7 @@ class Engine:
         self.pool = BlockPool(config.num_blocks, config.block_size)
         self.kv = KvCacheManager(self.pool, config.enable_prefix_caching)
         proposer = make_proposer(config.speculative) if config.role is not Role.PREFILL else None
-        self.scheduler = Scheduler(config, self.kv, self.max_model_len, proposer)
+        self.scheduler = Scheduler(config, self.kv, self.max_model_len, proposer, Grammars(model.config))
         self.runner = ModelRunner(model, config.num_blocks, config.block_size, device,
                                   screened=config.role is not Role.PREFILL)  # fmt: skip
 

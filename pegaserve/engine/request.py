@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from pegaserve.stop import Length, StopCause, StopPolicy
 
 if TYPE_CHECKING:
+    from pegaserve.engine.grammar import Constraint, GrammarSpec
     from pegaserve.engine.sampler import TokenScore
 
 
@@ -39,6 +40,7 @@ class SamplingParams:
     allowed_token_ids: frozenset[int] | None = None  # vLLM's: every other token masked (None: all allowed)
     # vLLM's bad_words, as token sequences: each one's last token is masked where the output ends with the rest
     bad_words: tuple[tuple[int, ...], ...] = ()
+    grammar: GrammarSpec | None = None  # structured outputs (pegaserve/engine/grammar.py)
 
     @property
     def greedy(self) -> bool:
@@ -194,6 +196,7 @@ class RequestState:
         self.draft_token_ids: tuple[int, ...] = ()  # speculative proposals for the next step
         self.prompt_scores: list[TokenScore | None] | None = None if spec.num_prompt_logprobs is None else [None]
         self.forks: list[RequestState] = []  # choices waiting to share this one's prefill
+        self.constraint: Constraint | None = None  # its grammar's matcher, made when it first samples here
         self._output: list[SampledToken] = []
         self._output_ids: list[int] = []
         self.finish: StopCause | None = None

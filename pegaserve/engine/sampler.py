@@ -1,7 +1,7 @@
 """Sampling: batched over a step's logits, one row per request.
 
 Processing, in vLLM's order, on a copy of just the rows that need it (the caller's logits are never
-changed): allowed_token_ids (every other token masked), logit_bias (added), the min_tokens mask
+changed): allowed_token_ids and a grammar (every other token masked), logit_bias (added), the min_tokens mask
 (docs/CONTRACT.md rule 6), repetition_penalty over
 prompt + output (HF: each distinct token's logit divided by p if positive, else multiplied), then
 frequency and presence penalties over the output (OpenAI: minus frequency * count, minus presence
@@ -73,13 +73,14 @@ class SamplingRow:
     prompt_token_ids: tuple[int, ...] = ()  # repetition_penalty covers prompt + output
     draft_token_id: int | None = None  # a speculative proposal for this position
     stream: int = 0  # where its uniforms start among those of its (seed, position) (sampling_draw._uniform)
+    token_bitmask: torch.Tensor | None = None  # its grammar's allowed tokens (grammar.Constraint.bitmask)
 
     @property
     def edited(self) -> bool:
         """Whether its logits differ from the raw ones before temperature."""
         params = self.params
         return bool(self.masked_token_ids or params.logit_bias) or params.has_penalties \
-            or params.allowed_token_ids is not None
+            or params.allowed_token_ids is not None or self.token_bitmask is not None
 
     @property
     def wants_logprob(self) -> bool:

@@ -1,6 +1,6 @@
 """The sampler's processing of logits before temperature, in vLLM's order (sampler.py's docstring):
 logit_bias, repetition, frequency and presence penalties, then the masks: allowed_token_ids (every other
-token) and min_tokens. Each phase is batched over the rows that use it, and a no-op when none do; all
+token), a grammar's bitmask and min_tokens. Each phase is batched over the rows that use it, and a no-op when none do; all
 of them write into the rows' own copy. (vLLM masks by allowed_token_ids first: the same floats, as
 every phase keeps -inf at -inf.)
 """
@@ -14,6 +14,8 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
+
+from pegaserve.engine.grammar import allowed_by
 
 if TYPE_CHECKING:
     from pegaserve.engine.sampler import SamplingRow
@@ -45,6 +47,8 @@ def _at_column(row: SamplingRow, column: int) -> SamplingRow:
             allowed_token_ids=None if params.allowed_token_ids is None
             else frozenset({0}) if column in params.allowed_token_ids else frozenset()),
         masked_token_ids=frozenset({0}) if column in row.masked_token_ids else frozenset(),
+        token_bitmask=None if row.token_bitmask is None
+        else torch.tensor([(int(row.token_bitmask[column // 32]) >> (column % 32)) & 1], dtype=torch.int32),
         output_token_ids=(0,) * row.output_token_ids.count(column),
         prompt_token_ids=(0,) * row.prompt_token_ids.count(column),
     )
@@ -64,6 +68,8 @@ def _mask(work: torch.Tensor, rows: list[SamplingRow]) -> None:
             index = _index_of(row.params.allowed_token_ids)
             kept = work[j].index_select(0, index)
             work[j].fill_(float("-inf")).index_copy_(0, index, kept)
+        if row.token_bitmask is not None:
+            work[j].masked_fill_(~allowed_by(row.token_bitmask, work.shape[1]), float("-inf"))
     masked = [(j, row.masked_token_ids) for j, row in enumerate(rows) if row.masked_token_ids]
     if masked:
         work.view(-1).index_fill_(0, _flat_index(work.shape[1], masked), float("-inf"))

@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from pegaserve.engine.config import EngineConfig, Role
+from pegaserve.engine.grammar import Grammars
 from pegaserve.engine.kv_manager import KvCacheManager
 from pegaserve.engine.request import (EngineRequest, Handoff, ParkedKv, RequestState, SampledToken, Status,
                                       StepOutput)
@@ -44,8 +45,9 @@ class ReceiveTarget:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KvCacheManager, max_model_len: int,
-                 proposer: Proposer | None = None) -> None:
+                 proposer: Proposer | None = None, grammars: Grammars | None = None) -> None:
         self.config = config
+        self.grammars = grammars
         self.kv = kv
         self.block_size = kv.block_size
         self.max_model_len = max_model_len
@@ -214,7 +216,7 @@ class Scheduler:
 
     def _scheduled_request(self, request: RequestState, num_new: int) -> ScheduledRequest:
         self._scheduled.append(request)
-        return scheduled_request(request, num_new, self.kv.block_ids(request.request_id))
+        return scheduled_request(request, num_new, self.kv.block_ids(request.request_id), self.grammars)
 
     # --- one step: update ------------------------------------------------------------------------
 
@@ -297,7 +299,7 @@ class Scheduler:
             self.kv.name_full_blocks(request)
             if self.config.role is Role.PREFILL:
                 parked = self._park(request)
-            elif self.proposer is not None:
+            elif self.proposer is not None and request.sampling.grammar is None:  # no drafts under a grammar
                 self._propose(request)
         return StepOutput(request.request_id, tuple(kept), cause, prompt_logprobs, parked)
 

@@ -29,6 +29,8 @@ from tests.api.helpers import PROMPT, scripted_frontend, sse_chunks
 from tests.contract.server import ThreadedServer
 
 CONTRACT = "test_contract_colocated::test_contract_case"
+STRUCTURED = "test_structured_outputs::test_response_format_json_schema_and_json_object"
+AGREE = "test_structured_outputs::test_structured_outputs_and_the_guided_fields_agree"
 # field -> the tests that show what it does ("module::test" under tests/api)
 BEHAVIOUR = {
     "model": ["test_contract_colocated::test_unknown_model_is_404"],
@@ -90,8 +92,14 @@ BEHAVIOUR = {
     ],
     "truncate_prompt_tokens": ["test_fields::test_truncate_prompt_tokens"],
     "truncation_side": ["test_fields::test_truncate_prompt_tokens"],
-    "response_format": ["test_fields::test_a_text_response_format_is_plain_text"],
-    "response_format.type": ["test_fields::test_a_text_response_format_is_plain_text"],
+    "response_format": ["test_fields::test_a_text_response_format_is_plain_text", STRUCTURED],
+    "response_format.type": ["test_fields::test_a_text_response_format_is_plain_text", STRUCTURED],
+    "response_format.json_schema": [STRUCTURED],
+    "structured_outputs": [AGREE],
+    "guided_json": [AGREE],
+    "guided_regex": [AGREE],
+    "guided_choice": [AGREE],
+    "guided_grammar": [AGREE],
     "cache_salt": ["test_fields::test_cache_salt_keeps_cached_prompts_apart"],
     "allowed_token_ids": ["test_fields::test_allowed_token_ids_are_the_only_tokens_sampled"],
     "bad_words": ["test_fields::test_bad_words_are_never_completed"],
@@ -125,8 +133,7 @@ NO_EFFECT = {
 # refused unless at the default: (field, a non-default value)
 REFUSED_VALUES = {
     "use_beam_search": True, "length_penalty": 1.5,
-    "logprob_token_ids": [5], "structured_outputs": {"json": {}}, "guided_json": {"type": "object"},
-    "guided_regex": "a+", "guided_choice": ["a", "b"], "guided_grammar": "root ::= 'a'", "priority": 1,
+    "logprob_token_ids": [5], "priority": 1,
     "kv_transfer_params": {"x": 1}, "vllm_xargs": {"x": 1}, "suffix": "tail", "store": True,
     "tools": [{"type": "function", "function": {"name": "f"}}], "chat_template": "{{ messages }}",
     "documents": [{"text": "d"}], "functions": [{"name": "f"}], "function_call": "auto", "reasoning_effort": "low",
@@ -155,12 +162,6 @@ def test_every_behaviour_test_exists():
         for test in tests:
             module, function = test.split("::")
             assert callable(getattr(importlib.import_module(f"tests.api.{module}"), function, None)), (name, test)
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    with ThreadedServer(build_app(scripted_frontend(tiny_model_dir, {tuple(PROMPT): (64, 293, 272)}))) as running:
-        yield running
 
 
 def post(server, endpoint: str, **body) -> httpx.Response:

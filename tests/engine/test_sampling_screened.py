@@ -200,7 +200,7 @@ def test_edit_at_is_the_full_rows_processing_at_each_column():
     """The one-column processing the rejection draw checks a proposal with is the same float as the
     whole row's, at every column of rows with every kind of processing (and of none)."""
     generator = torch.Generator().manual_seed(9)
-    logits = torch.randn(5, 300, generator=generator) * 4
+    logits = torch.randn(6, 300, generator=generator) * 4
     logits[:, :3] = torch.tensor([0.0, -0.0, float("-inf")])
     rows = [_processed_row(logits[0], 1, 1.0), _row(2),
             SamplingRow(SamplingParams(repetition_penalty=0.7, logit_bias=((4, 0.1), (4, 0.2))), 5,
@@ -208,7 +208,9 @@ def test_edit_at_is_the_full_rows_processing_at_each_column():
             SamplingRow(SamplingParams(frequency_penalty=-0.3, presence_penalty=1e-8), 2,
                         masked_token_ids=frozenset({7, 8}), output_token_ids=(7, 9, 9, 9, 11)),
             SamplingRow(SamplingParams(allowed_token_ids=frozenset({0, 2, 7, 40, 41}), logit_bias=((40, 1.0),)), 1,
-                        masked_token_ids=frozenset({7}))]
+                        masked_token_ids=frozenset({7})),
+            SamplingRow(SamplingParams(logit_bias=((33, 1.0),)), 1,  # a grammar's bitmask: tokens 1, 3, 32-63, 299
+                        token_bitmask=torch.tensor([0b1010, -1, 0, 0, 0, 0, 0, 0, 0, 1 << 11], dtype=torch.int32))]
     processed = process_logits(logits, rows)
     columns = list(range(logits.shape[1]))
     for i, row in enumerate(rows):
