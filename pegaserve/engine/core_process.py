@@ -66,7 +66,9 @@ class EngineSpec:
 def build_engine_from_spec(spec: EngineSpec):
     from pegaserve.engine.build import load_engine  # noqa: PLC0415 - the child's import
 
-    return load_engine(spec.model_dir, spec.config, spec.attention_backend, spec.device)
+    engine = load_engine(spec.model_dir, spec.config, spec.attention_backend, spec.device)
+    engine.grammars.warm_up()
+    return engine
 
 
 def build_engine(spec: EngineSpec):

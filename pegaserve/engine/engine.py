@@ -75,7 +75,8 @@ class Engine:
         self.pool = BlockPool(config.num_blocks, config.block_size)
         self.kv = KvCacheManager(self.pool, config.enable_prefix_caching)
         proposer = make_proposer(config.speculative) if config.role is not Role.PREFILL else None
-        self.scheduler = Scheduler(config, self.kv, self.max_model_len, proposer, Grammars(model.config))
+        self.grammars = Grammars(model.config)
+        self.scheduler = Scheduler(config, self.kv, self.max_model_len, proposer, self.grammars)
         self.runner = ModelRunner(model, config.num_blocks, config.block_size, device,
                                   screened=config.role is not Role.PREFILL)  # fmt: skip
 

@@ -74,15 +74,36 @@ class Grammars:
         self._compiled: dict[GrammarSpec, object] = {}
         self._lock = threading.Lock()
 
+    def warm_up(self) -> threading.Thread:
+        """Build the compiler on a thread of its own now, so that the first request with a grammar
+        does not hold up a step for it (a serving engine calls this as it starts)."""
+
+        def build() -> None:
+            try:
+                import xgrammar  # noqa: PLC0415
+
+                with self._lock:
+                    self._compiler_of(xgrammar)
+            except Exception:  # the first request with a grammar tries again, and fails with the reason
+                log.exception("could not build the grammar compiler")
+
+        thread = threading.Thread(target=build, name="grammar-compiler", daemon=True)
+        thread.start()
+        return thread
+
     def constraint(self, spec: GrammarSpec) -> Constraint:
         import xgrammar  # noqa: PLC0415 - only structured outputs need it
 
-        with self._lock:
-            compiled = self._compiled.get(spec)
-            if compiled is None:
-                compiled = self._compiled[spec] = self._compiler_of(xgrammar).compile_grammar(_grammar(xgrammar, spec))
-        return Constraint(xgrammar.GrammarMatcher(compiled), self.model_config.vocab_size,
-                          self.model_config.eos_token_ids)
+        config = self.model_config
+        try:
+            with self._lock:
+                compiled = self._compiled.get(spec)
+                if compiled is None:
+                    compiled = self._compiled[spec] = self._compiler_of(xgrammar).compile_grammar(_grammar(xgrammar, spec))
+        except Exception:  # the ingress read it already (GrammarSpec.check): never the engine loop's end
+            log.exception("could not compile a request's grammar; the request may only end")
+            return Constraint(None, config.vocab_size, config.eos_token_ids)
+        return Constraint(xgrammar.GrammarMatcher(compiled), config.vocab_size, config.eos_token_ids)
 
     def _compiler_of(self, xgrammar):
         if self._compiler is None:
@@ -100,11 +121,11 @@ class Constraint:
     """A request's matcher and how much of its output it has read."""
 
     def __init__(self, matcher, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
-        self.matcher = matcher
+        self.matcher = matcher  # None: its grammar would not compile
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.num_read = 0
-        self.broken = False
+        self.broken = matcher is None
 
     def bitmask(self, output_token_ids: tuple[int, ...]) -> torch.Tensor:
         """The tokens allowed after `output_token_ids` (the request's output, of which the first

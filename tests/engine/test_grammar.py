@@ -107,7 +107,7 @@ def test_a_bitmask_masks_exactly_its_zero_bits():
 
 
 def test_a_constraint_reads_the_output_once_and_allows_only_eos_after_a_token_outside_it(tiny_model_dir, engine):
-    grammars = engine.scheduler.grammars
+    grammars = engine.grammars
     digit = Tokenizer(tiny_model_dir).encode("7")
     constraint = grammars.constraint(GrammarSpec("regex", "[0-9]{2}"))
     assert isinstance(constraint, Constraint)
@@ -118,3 +118,14 @@ def test_a_constraint_reads_the_output_once_and_allows_only_eos_after_a_token_ou
     broken = grammars.constraint(GrammarSpec("regex", "[0-9]{2}"))
     allowed = allowed_by(broken.bitmask(tuple(Tokenizer(tiny_model_dir).encode("x"))), engine.model_config.vocab_size)
     assert broken.broken and allowed.nonzero().flatten().tolist() == sorted(EOS_IDS)
+
+
+def test_a_serving_engine_builds_its_compiler_as_it_starts_and_a_grammar_that_will_not_compile_only_ends(
+        tiny_model_dir, monkeypatch):
+    engine = load_engine(tiny_model_dir, EngineConfig(num_blocks=16), "sdpa")
+    engine.grammars.warm_up().join(60)
+    assert engine.grammars._compiler is not None
+    monkeypatch.setattr(engine.grammars._compiler, "compile_grammar", lambda grammar: 1 / 0)
+    constraint = engine.grammars.constraint(GrammarSpec("regex", "[a-z]"))
+    assert constraint.broken
+    assert allowed_by(constraint.bitmask(()), engine.model_config.vocab_size).nonzero().flatten().tolist() == sorted(EOS_IDS)
