@@ -65,8 +65,8 @@ def _grammar(xgrammar, spec: GrammarSpec):
 
 
 class Grammars:
-    """One engine's compiler: built on first use from the model's tokenizer (~1 s), its compiled
-    grammars kept."""
+    """One engine's compiler, built from the model's tokenizer (~1 s) by `warm_up` or on first use,
+    and the grammars it compiled."""
 
     def __init__(self, model_config: ModelConfig) -> None:
         self.model_config = model_config
