@@ -9,6 +9,7 @@ from dataclasses import replace
 from pegaserve.api import validation as v
 from pegaserve.api.errors import invalid
 from pegaserve.api.frontend import Frontend, Job, new_response_id, now_s
+from pegaserve.api.tools import ToolPlan, plan_tools
 from pegaserve.api.protocol import (
     REFUSED_CHAT,
     REFUSED_COMPLETION,
@@ -58,8 +59,9 @@ def chat_job(frontend: Frontend, body: ChatCompletionRequest, header_id: str | N
     v.check_refused(body, REFUSED_CHAT)
     v.check_common(body, 1, frontend.limits)
     num_top = v.check_chat(body, frontend.limits)
+    tools, tool_plan, tool_grammar = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
     text = render_chat(frontend.tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,
-                       body.chat_template_kwargs)
+                       body.chat_template_kwargs, tools)
     ids = v.check_prompt_ids(encode(frontend.tokenizer, text, body.add_special_tokens), body, frontend.model,
                              "messages", frontend.limits)
     max_tokens = (body.max_completion_tokens, "max_completion_tokens")
@@ -69,9 +71,9 @@ def chat_job(frontend: Frontend, body: ChatCompletionRequest, header_id: str | N
     last = body.messages[-1]
     echo = message_text(last.content) if body.echo and last.role == role else ""  # vLLM's chat echo
     plan = replace(v.plan_prompt(body, ids, frontend.model, frontend.limits, max_tokens, num_top,
-                                 bad_words=bad_words(frontend, body)), echo_text=echo)
+                                 bad_words=bad_words(frontend, body), tool_grammar=tool_grammar), echo_text=echo)
     response_id = new_response_id("chatcmpl")
-    wire = _wire(frontend, body, Endpoint.CHAT, response_id, num_top, role=role)
+    wire = _wire(frontend, body, Endpoint.CHAT, response_id, num_top, role=role, tools=tool_plan)
     return _job(body, response_id, header_id, [plan], wire)
 
 
@@ -90,13 +92,13 @@ def _job(body: SamplingFields, response_id: str, header_id: str | None, plans: l
 
 
 def _wire(frontend: Frontend, body: SamplingFields, endpoint: Endpoint, response_id: str, num_top: int | None,
-          echo: bool = False, role: str = "assistant") -> Wire:
+          echo: bool = False, role: str = "assistant", tools: ToolPlan | None = None) -> Wire:
     tokenizer = frontend.tokenizer
     return Wire(endpoint=endpoint, response_id=response_id, model=frontend.model.name, created=now_s(),
                 decode_token=lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False),
                 num_top_logprobs=num_top, num_prompt_logprobs=body.prompt_logprobs,
                 return_token_ids=body.return_token_ids, tokens_as_ids=body.return_tokens_as_token_ids, echo=echo,
-                role=role)
+                role=role, tools=tools)
 
 
 def client_request_id(header_id: str | None, body_id: str | None) -> str | None:
@@ -151,8 +153,9 @@ def encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[in
 
 
 def render_chat(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool,
-                continue_final_message: bool, template_kwargs: dict | None) -> str:
-    """The conversation through the model's chat template; every field a message sets is passed on."""
+                continue_final_message: bool, template_kwargs: dict | None, tools: list | None = None) -> str:
+    """The conversation (and the tools the model may call) through the model's chat template; every
+    field a message sets is passed on."""
     reserved = _TEMPLATE_RESERVED & set(template_kwargs or ())
     if reserved:
         raise invalid("chat_template_kwargs", f"may not set {sorted(reserved)}")
@@ -163,7 +166,7 @@ def render_chat(tokenizer: Tokenizer, messages: list[ChatMessage], add_generatio
         rendered.append(message)
     try:
         return tokenizer.hf.apply_chat_template(rendered, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                continue_final_message=continue_final_message,
+                                                continue_final_message=continue_final_message, tools=tools,
                                                 **(template_kwargs or {}))
     except Exception as exc:  # a template that rejects the conversation is the client's problem
         raise invalid("messages", f"the chat template rejected the messages: {exc}") from exc

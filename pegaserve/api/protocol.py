@@ -116,9 +116,9 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: StrictBool = False
     add_special_tokens: StrictBool = False
     chat_template_kwargs: dict[str, JsonValue] | None = None
-    tools: list[JsonValue] | None = None  # refused unless empty
-    tool_choice: JsonValue = None  # "none", or "auto" without tools
-    parallel_tool_calls: StrictBool = True  # no effect: no tools
+    tools: list[JsonValue] | None = None  # functions the model may call (pegaserve/api/tools.py)
+    tool_choice: JsonValue = None  # "none", "auto", "required" or {"type": "function", "function": {"name": ...}}
+    parallel_tool_calls: StrictBool = True  # false: one call at most
     service_tier: Literal["auto", "default"] | None = None  # no effect: one tier
     metadata: dict[str, str] | None = None  # no effect: nothing is stored
     store: StrictBool = False  # refused if true
@@ -139,7 +139,7 @@ REFUSED_SHARED = (
     "vllm_xargs",
 )
 REFUSED_COMPLETION = (*REFUSED_SHARED, "suffix")
-REFUSED_CHAT = (*REFUSED_SHARED, "store", "tools", "chat_template", "documents", "functions", "function_call",
+REFUSED_CHAT = (*REFUSED_SHARED, "store", "chat_template", "documents", "functions", "function_call",
                 "reasoning_effort", "audio", "prediction", "web_search_options")
 
 

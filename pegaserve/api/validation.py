@@ -112,8 +112,6 @@ def check_chat(body: ChatCompletionRequest, limits: Limits) -> int | None:
         raise invalid("messages", "at least one message is required")
     if body.continue_final_message and body.add_generation_prompt:
         raise invalid("continue_final_message", "cannot be used with add_generation_prompt (set it to false)")
-    if body.tool_choice not in (None, "none") and not (body.tool_choice == "auto" and not body.tools):
-        raise invalid("tool_choice", "tools are not supported: only 'none' (or 'auto' without tools)")
     if body.top_logprobs is not None:
         if not body.logprobs:
             raise invalid("top_logprobs", "requires logprobs to be true")
@@ -148,12 +146,13 @@ def plan_prompt(
     num_top_logprobs: int | None,
     echo_text: str | None = None,
     bad_words: tuple[tuple[int, ...], ...] = (),
+    tool_grammar: GrammarSpec | None = None,
 ) -> PromptPlan:
     """`max_tokens` is (value, the parameter that gave it); `echo_text` is None without echo, and
     with it `max_tokens=0` only scores the prompt; `bad_words` are the request's as token sequences
     (`jobs.bad_words`)."""
     policy = _policy(body, prompt_ids, model, limits, *max_tokens, echo=echo_text is not None)
-    sampling = _sampling(body, num_top_logprobs, model, limits, bad_words, structured_output(body))
+    sampling = _sampling(body, num_top_logprobs, model, limits, bad_words, structured_output(body, tool_grammar))
     if sampling.allowed_token_ids is not None and sampling.allowed_token_ids <= policy.masked_token_ids(0):
         raise invalid("allowed_token_ids", "every allowed token is one that min_tokens holds back")
     num_prompt_logprobs = body.prompt_logprobs
@@ -236,10 +235,11 @@ _GUIDED_KINDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_
                  "guided_grammar": "ebnf"}
 
 
-def structured_output(body: SamplingFields) -> GrammarSpec | None:
+def structured_output(body: SamplingFields, tool_grammar: GrammarSpec | None = None) -> GrammarSpec | None:
     """The grammar the output must match (pegaserve/engine/grammar.py), from whichever one field
-    asks for one: response_format (json_object, json_schema), structured_outputs or a guided_* field."""
-    asked: list[tuple[str, GrammarSpec]] = []
+    asks for one: response_format (json_object, json_schema), structured_outputs, a guided_* field,
+    or tool_choice (`tool_grammar`: pegaserve/api/tools.py)."""
+    asked: list[tuple[str, GrammarSpec]] = [] if tool_grammar is None else [("tool_choice", tool_grammar)]
     form = body.response_format
     if form is not None and form.type == "json_object":
         asked.append(("response_format", GrammarSpec("json_object")))
@@ -265,8 +265,9 @@ def structured_output(body: SamplingFields) -> GrammarSpec | None:
     if not asked:
         return None
     if len(asked) > 1:
-        raise invalid(asked[1][0], "only one structured output per request (response_format, structured_outputs "
-                                   "or a guided_* field), and only one kind of it")
+        raise invalid(asked[1][0], "only one structured output per request (response_format, structured_outputs, "
+                                   "a guided_* field or a tool_choice that names or requires a tool), and only one "
+                                   "kind of it")
     param, grammar = asked[0]
     try:
         grammar.check()

@@ -8,9 +8,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pegaserve.api.choice import ChoiceDelta
+from pegaserve.api.tools import ToolPlan, ToolStream, parse
 from pegaserve.engine.request import SampledToken
 from pegaserve.engine.sampler import TokenScore
-from pegaserve.stop import StopCause, finish_reason, stop_reason
+from pegaserve.stop import Length, StopCause, finish_reason, stop_reason
 
 NO_LOGPROB = -9999.0  # vLLM's stand-in for -inf, which JSON cannot carry
 
@@ -66,7 +67,8 @@ class Wire:
     def __init__(self, *, endpoint: Endpoint, response_id: str, model: str, created: int,
                  decode_token: Callable[[int], str], num_top_logprobs: int | None = None,
                  num_prompt_logprobs: int | None = None, return_token_ids: bool = False,
-                 tokens_as_ids: bool = False, echo: bool = False, role: str = "assistant") -> None:
+                 tokens_as_ids: bool = False, echo: bool = False, role: str = "assistant",
+                 tools: ToolPlan | None = None) -> None:
         self.endpoint = endpoint
         self.response_id = response_id
         self.model = model
@@ -78,6 +80,8 @@ class Wire:
         self.tokens_as_ids = tokens_as_ids
         self.echo = echo  # completions: the prompt's tokens lead the first logprobs
         self.role = role
+        self.tools = tools  # chat: how the choices' text turns into tool calls (pegaserve/api/tools.py)
+        self._tool_streams: dict[int, ToolStream] = {}
         self._text_offsets: dict[int, int] = {}
 
     @property
@@ -115,6 +119,8 @@ class Wire:
         text = (result.echo_text if first else "") + delta.text
         body = self._envelope(chunk=True)
         body["choices"] = [self._choice(result, text, delta.tokens, delta.finish, first, chunk=True)]
+        if self.tools is not None:
+            self._stream_tool_calls(result, text, delta.finish, body["choices"][0])
         if first and self.return_token_ids:
             body["prompt_token_ids"] = list(result.prompt_token_ids)
         if usage is not None:
@@ -137,13 +143,21 @@ class Wire:
     def _choice(self, result: ChoiceResult, text: str, tokens: Sequence[SampledToken], finish: StopCause | None,
                 first: bool, chunk: bool) -> dict:
         body: dict = {"index": result.index}
-        if self.chat:
+        if self.chat and not chunk and self.tools is not None:
+            content, calls = parse(self.tools, text)
+            body["message"] = {"role": self.role, "content": content,
+                               "tool_calls": [call.body(i) for i, call in enumerate(calls)]}
+            for call in body["message"]["tool_calls"]:
+                del call["index"]  # (a streamed delta's)
+        elif self.chat:
             body["delta" if chunk else "message"] = {"content": text} if chunk else {"role": self.role, "content": text}
         else:
             body["text"] = text
         body["logprobs"] = None if self.num_top_logprobs is None else self._logprobs(result, tokens, first)
         body["finish_reason"] = finish_reason(finish) if finish else None
         body["stop_reason"] = stop_reason(finish) if finish else None
+        if not chunk and self._called(finish, body["message"].get("tool_calls") if self.chat else None):
+            body["finish_reason"] = "tool_calls"
         if self.return_token_ids:
             body["token_ids"] = [t.token_id for t in tokens]
             if not self.chat and first:
@@ -151,6 +165,23 @@ class Wire:
         if not self.chat and not chunk and self.num_prompt_logprobs is not None:
             body["prompt_logprobs"] = self._prompt_logprobs(result)
         return body
+
+    def _called(self, finish: StopCause | None, calls: list | None) -> bool:
+        """Whether a finished choice ends as `tool_calls`: it called a tool of its own accord (auto,
+        required) and was not cut short."""
+        return bool(calls) and finish is not None and not isinstance(finish, Length) and self.tools.mode != "named"
+
+    def _stream_tool_calls(self, result: ChoiceResult, text: str, finish: StopCause | None, choice: dict) -> None:
+        stream = self._tool_streams.setdefault(result.index, ToolStream(self.tools))
+        content, calls = stream.feed(text)
+        if finish is not None:
+            more_content, more_calls = stream.end()
+            content, calls = content + more_content, calls + more_calls
+            if stream.num_calls and self._called(finish, [None]):
+                choice["finish_reason"] = "tool_calls"
+        choice["delta"] = {"content": content} if content or not calls else {}
+        if calls:
+            choice["delta"]["tool_calls"] = calls
 
     # --- logprobs --------------------------------------------------------------------------------
 

@@ -31,6 +31,7 @@ from tests.contract.server import ThreadedServer
 CONTRACT = "test_contract_colocated::test_contract_case"
 STRUCTURED = "test_structured_outputs::test_response_format_json_schema_and_json_object"
 AGREE = "test_structured_outputs::test_structured_outputs_and_the_guided_fields_agree"
+TOOLS = "test_tools::test_auto_tool_calls_come_back_as_tool_calls_streamed_and_not"
 # field -> the tests that show what it does ("module::test" under tests/api)
 BEHAVIOUR = {
     "model": ["test_contract_colocated::test_unknown_model_is_404"],
@@ -114,7 +115,12 @@ BEHAVIOUR = {
         "test_fields::test_messages_and_template_kwargs_reach_the_chat_template",
         "test_fields::test_template_kwargs_cannot_replace_the_template_or_pass_refused_fields",
     ],
-    "tool_choice": ["test_fields::test_tool_choice_without_tools"],
+    "tool_choice": ["test_fields::test_tool_choice_without_tools", TOOLS,
+                    "test_tools::test_a_named_function_s_arguments_keep_to_its_schema",
+                    "test_tools::test_required_tool_calls_keep_to_the_tools_schemas",
+                    "test_tools::test_tool_choice_none_shows_no_tools_and_parses_nothing"],
+    "tools": [TOOLS],
+    "parallel_tool_calls": [TOOLS],
     "modalities": ["test_fields::test_text_is_the_only_modality"],
     "messages.role": [CONTRACT],
     "messages.content": [CONTRACT, "test_tokenize::test_messages_tokenize_as_the_chat_endpoint_renders_them"],
@@ -126,7 +132,6 @@ BEHAVIOUR = {
 NO_EFFECT = {
     "user": "someone",
     "metadata": {"team": "search"},
-    "parallel_tool_calls": False,  # no tools
     "service_tier": "default",  # one tier
     "spaces_between_special_tokens": False,  # byte-level tokens decode as they are (as vLLM's fast path)
 }
@@ -135,7 +140,7 @@ REFUSED_VALUES = {
     "use_beam_search": True, "length_penalty": 1.5,
     "logprob_token_ids": [5], "priority": 1,
     "kv_transfer_params": {"x": 1}, "vllm_xargs": {"x": 1}, "suffix": "tail", "store": True,
-    "tools": [{"type": "function", "function": {"name": "f"}}], "chat_template": "{{ messages }}",
+    "chat_template": "{{ messages }}",
     "documents": [{"text": "d"}], "functions": [{"name": "f"}], "function_call": "auto", "reasoning_effort": "low",
     "audio": {"voice": "x"}, "prediction": {"type": "content", "content": "x"}, "web_search_options": {},
 }

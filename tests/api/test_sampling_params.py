@@ -151,7 +151,7 @@ def test_bad_completion_is_400_naming_the_param(server, patch, param):
 
 
 BAD_CHAT = [
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
     ({"store": True}, "store"),
