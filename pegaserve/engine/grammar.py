@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pegaserve.heap import freeze_startup_heap
+
 if TYPE_CHECKING:
     from pegaserve.engine.model_config import ModelConfig
 
@@ -76,7 +78,9 @@ class Grammars:
 
     def warm_up(self) -> threading.Thread:
         """Build the compiler on a thread of its own now, so that the first request with a grammar
-        does not hold up a step for it (a serving engine calls this as it starts)."""
+        does not hold up a step for it (a serving engine calls this as it starts). What it leaves
+        alive (transformers' modules, the tokenizer's tables: ~100k objects) joins the startup heap
+        (`freeze_startup_heap`), or every full collection would walk it, in the middle of a step."""
 
         def build() -> None:
             try:
@@ -86,6 +90,7 @@ class Grammars:
                     self._compiler_of(xgrammar)
             except Exception:  # the first request with a grammar tries again, and fails with the reason
                 log.exception("could not build the grammar compiler")
+            freeze_startup_heap()
 
         thread = threading.Thread(target=build, name="grammar-compiler", daemon=True)
         thread.start()
