@@ -67,7 +67,10 @@ def build_engine_from_spec(spec: EngineSpec):
     from pegaserve.engine.build import load_engine  # noqa: PLC0415 - the child's import
 
     engine = load_engine(spec.model_dir, spec.config, spec.attention_backend, spec.device)
-    engine.grammars.warm_up()
+    # what the compiler leaves alive (transformers' modules, the tokenizer's tables: ~100k objects,
+    # made after `_child_main` froze the startup heap) joins that heap, or every full collection
+    # would walk it, in the middle of a step
+    engine.grammars.warm_up(then=freeze_startup_heap)
     return engine
 
 

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pegaserve.heap import freeze_startup_heap
-
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from pegaserve.engine.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -76,11 +76,9 @@ class Grammars:
         self._compiled: dict[GrammarSpec, object] = {}
         self._lock = threading.Lock()
 
-    def warm_up(self) -> threading.Thread:
+    def warm_up(self, then: Callable[[], None] | None = None) -> threading.Thread:
         """Build the compiler on a thread of its own now, so that the first request with a grammar
-        does not hold up a step for it (a serving engine calls this as it starts). What it leaves
-        alive (transformers' modules, the tokenizer's tables: ~100k objects) joins the startup heap
-        (`freeze_startup_heap`), or every full collection would walk it, in the middle of a step."""
+        does not hold up a step for it (a serving engine calls this as it starts), then call `then`."""
 
         def build() -> None:
             try:
@@ -90,7 +88,8 @@ class Grammars:
                     self._compiler_of(xgrammar)
             except Exception:  # the first request with a grammar tries again, and fails with the reason
                 log.exception("could not build the grammar compiler")
-            freeze_startup_heap()
+            if then is not None:
+                then()
 
         thread = threading.Thread(target=build, name="grammar-compiler", daemon=True)
         thread.start()
