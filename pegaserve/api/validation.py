@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import math
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pegaserve.api.choice import StopStrings
 from pegaserve.api.errors import ApiError, invalid
@@ -253,11 +253,13 @@ def structured_output(body: SamplingFields, tool_grammar: GrammarSpec | None = N
     for name, kind in _GUIDED_KINDS.items():
         if getattr(body, name) is not None:
             asked.append((name, _grammar_spec(name, kind, getattr(body, name))))
+    compact = False
     if body.structured_outputs is not None:
         if not isinstance(body.structured_outputs, dict):
             raise invalid("structured_outputs", "must be an object such as {\"json\": <schema>} or {\"regex\": ...}")
+        compact = body.structured_outputs.get("disable_any_whitespace") is True
         for key, value in body.structured_outputs.items():
-            if value is None or value is False:
+            if value is None or value is False or key == "disable_any_whitespace":
                 continue
             if key not in _STRUCTURED_KINDS:
                 raise invalid("structured_outputs", f"{key!r} is not supported (only {', '.join(_STRUCTURED_KINDS)})")
@@ -269,6 +271,8 @@ def structured_output(body: SamplingFields, tool_grammar: GrammarSpec | None = N
                                    "a guided_* field or a tool_choice that names or requires a tool), and only one "
                                    "kind of it")
     param, grammar = asked[0]
+    if compact:  # vLLM's: JSON without whitespace of the model's choosing
+        grammar = replace(grammar, any_whitespace=False)
     try:
         grammar.check()
     except ValueError as exc:

@@ -35,6 +35,7 @@ class GrammarSpec:
 
     kind: str
     text: str = ""
+    any_whitespace: bool = True  # JSON: any whitespace between its tokens (False: compact, `", "` and `": "`)
 
     def check(self) -> None:
         """Raises ValueError, with xgrammar's reason and nothing of its internals, if it is not one."""
@@ -53,10 +54,9 @@ def choice_regex(choices: list[str]) -> str:
 
 
 def _grammar(xgrammar, spec: GrammarSpec):
-    if spec.kind == "json_schema":
-        return xgrammar.Grammar.from_json_schema(spec.text)
-    if spec.kind == "json_object":  # an object, as OpenAI's JSON mode gives (xgrammar's builtin JSON: any value)
-        return xgrammar.Grammar.from_json_schema('{"type": "object"}')
+    if spec.kind in ("json_schema", "json_object"):  # json_object: an object, as OpenAI's JSON mode gives
+        return xgrammar.Grammar.from_json_schema(spec.text if spec.kind == "json_schema" else '{"type": "object"}',
+                                                 any_whitespace=spec.any_whitespace)
     if spec.kind == "regex":
         return xgrammar.Grammar.from_regex(spec.text)
     if spec.kind == "choice":

@@ -58,6 +58,8 @@ def test_structured_outputs_and_the_guided_fields_agree(server):
         if guided is not None:
             assert text_of(post(server, "completions", **{guided: value})) == (text, finish)
     assert text_of(post(server, "completions", guided_regex="[0-9]{3}"))[0] == "000"  # lowest ids win the ties
+    compact = {"json": SCHEMA, "disable_any_whitespace": True}
+    assert text_of(post(server, "completions", structured_outputs=compact)) == ('{"a": 1}', "stop")
     text, _ = text_of(post(server, "completions", structured_outputs={"json_object": True}))
     assert text_of(post(server, "completions", response_format={"type": "json_object"}))[0] == text
     # the grammar allows the script's "a" then " b" or "b": the script's " b" wins, then it must end

@@ -129,3 +129,14 @@ def test_a_serving_engine_builds_its_compiler_as_it_starts_and_a_grammar_that_wi
     constraint = engine.grammars.constraint(GrammarSpec("regex", "[a-z]"))
     assert constraint.broken
     assert allowed_by(constraint.bitmask(()), engine.model_config.vocab_size).nonzero().flatten().tolist() == sorted(EOS_IDS)
+
+
+def test_compact_json_leaves_the_model_no_whitespace_of_its_own(engine, tiny_model_dir):
+    spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
+    compact = GrammarSpec("json_schema", json.dumps(SCHEMA), any_whitespace=False)
+    for r in (request("loose", PROMPTS[0], spec, 0.0), request("compact", PROMPTS[0], compact, 0.0)):
+        engine.add_request(r)
+    outputs = run_to_completion(engine)
+    texts = {rid: Tokenizer(tiny_model_dir).decode(token_ids(o), skip_special_tokens=True) for rid, o in outputs.items()}
+    assert isinstance(outputs["compact"][-1].finish, Eos) and json.loads(texts["compact"])["b"] in (True, False)
+    assert "\n" not in texts["compact"] and texts["loose"].count("\n") + texts["loose"].count("\t") > 3  # (the random weights)
