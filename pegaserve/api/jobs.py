@@ -34,7 +34,7 @@ def completion_job(frontend: Frontend, body: CompletionRequest, header_id: str |
     prompts = _split_prompts(body.prompt)
     v.check_common(body, len(prompts), frontend.limits)
     num_top = v.check_completion(body, frontend.limits)
-    banned = bad_words(frontend, body)
+    banned, grammar = bad_words(frontend, body), v.structured_output(body)
     plans = []
     for prompt in prompts:
         raw = encode(frontend.tokenizer, prompt, body.add_special_tokens) if isinstance(prompt, str) else list(prompt)
@@ -45,7 +45,7 @@ def completion_job(frontend: Frontend, body: CompletionRequest, header_id: str |
                 else frontend.tokenizer.decode(list(ids), skip_special_tokens=False)
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         plans.append(v.plan_prompt(body, ids, frontend.model, frontend.limits, (max_tokens, "max_tokens"), num_top, echo,
-                                   bad_words=banned))
+                                   bad_words=banned, grammar=grammar))
     response_id = new_response_id("cmpl")
     wire = _wire(frontend, body, Endpoint.COMPLETIONS, response_id, num_top, echo=body.echo)
     return _job(body, response_id, header_id, plans, wire)
@@ -71,7 +71,8 @@ def chat_job(frontend: Frontend, body: ChatCompletionRequest, header_id: str | N
     last = body.messages[-1]
     echo = message_text(last.content) if body.echo and last.role == role else ""  # vLLM's chat echo
     plan = replace(v.plan_prompt(body, ids, frontend.model, frontend.limits, max_tokens, num_top,
-                                 bad_words=bad_words(frontend, body), tool_grammar=tool_grammar), echo_text=echo)
+                                 bad_words=bad_words(frontend, body),
+                                 grammar=v.structured_output(body, tool_grammar)), echo_text=echo)
     response_id = new_response_id("chatcmpl")
     wire = _wire(frontend, body, Endpoint.CHAT, response_id, num_top, role=role, tools=tool_plan)
     return _job(body, response_id, header_id, [plan], wire)

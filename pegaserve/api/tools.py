@@ -65,7 +65,7 @@ def plan_tools(tools: list | None, tool_choice, parallel: bool) -> tuple[list | 
         return tools, ToolPlan("auto", parallel=parallel), None
     if tool_choice == "required":
         items = {"anyOf": [{"type": "object", "properties": {"name": {"type": "string", "enum": [f["name"]]},
-                                                            "parameters": f.get("parameters") or {"type": "object"}},
+                                                            "parameters": _parameters(f)},
                             "required": ["name", "parameters"]} for f in functions]}
         schema = {"type": "array", "minItems": 1, "items": items, **({} if parallel else {"maxItems": 1})}
         return tools, ToolPlan("required", parallel=parallel), GrammarSpec("json_schema", json.dumps(schema))
@@ -76,8 +76,7 @@ def plan_tools(tools: list | None, tool_choice, parallel: bool) -> tuple[list | 
     chosen = next((f for f in functions if f["name"] == name), None)
     if chosen is None:
         raise invalid("tool_choice", f"names {name!r}, which is not one of the tools")
-    schema = chosen.get("parameters") or {"type": "object"}
-    return tools, ToolPlan("named", name=name), GrammarSpec("json_schema", json.dumps(schema))
+    return tools, ToolPlan("named", name=name), GrammarSpec("json_schema", json.dumps(_parameters(chosen)))
 
 
 def _function(index: int, tool) -> dict:
@@ -88,6 +87,11 @@ def _function(index: int, tool) -> dict:
     if "parameters" in function and not isinstance(function["parameters"], dict | None):
         raise invalid("tools", f"tool {index}'s parameters must be a JSON schema object")
     return function
+
+
+def _parameters(function: dict) -> dict:
+    """A function's arguments' schema (any object where it gives none)."""
+    return function.get("parameters") or {"type": "object"}
 
 
 def parse(plan: ToolPlan, text: str) -> tuple[str | None, list[ToolCall]]:

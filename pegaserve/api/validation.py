@@ -146,13 +146,13 @@ def plan_prompt(
     num_top_logprobs: int | None,
     echo_text: str | None = None,
     bad_words: tuple[tuple[int, ...], ...] = (),
-    tool_grammar: GrammarSpec | None = None,
+    grammar: GrammarSpec | None = None,
 ) -> PromptPlan:
     """`max_tokens` is (value, the parameter that gave it); `echo_text` is None without echo, and
-    with it `max_tokens=0` only scores the prompt; `bad_words` are the request's as token sequences
-    (`jobs.bad_words`)."""
+    with it `max_tokens=0` only scores the prompt; `bad_words` (`jobs.bad_words`) and `grammar`
+    (`structured_output`) are the request's, found once for all its prompts."""
     policy = _policy(body, prompt_ids, model, limits, *max_tokens, echo=echo_text is not None)
-    sampling = _sampling(body, num_top_logprobs, model, limits, bad_words, structured_output(body, tool_grammar))
+    sampling = _sampling(body, num_top_logprobs, model, limits, bad_words, grammar)
     if sampling.allowed_token_ids is not None and sampling.allowed_token_ids <= policy.masked_token_ids(0):
         raise invalid("allowed_token_ids", "every allowed token is one that min_tokens holds back")
     num_prompt_logprobs = body.prompt_logprobs

@@ -156,7 +156,7 @@ class Wire:
         body["logprobs"] = None if self.num_top_logprobs is None else self._logprobs(result, tokens, first)
         body["finish_reason"] = finish_reason(finish) if finish else None
         body["stop_reason"] = stop_reason(finish) if finish else None
-        if not chunk and self._called(finish, body["message"].get("tool_calls") if self.chat else None):
+        if not chunk and self.chat and self._ends_in_calls(finish, bool(body["message"].get("tool_calls"))):
             body["finish_reason"] = "tool_calls"
         if self.return_token_ids:
             body["token_ids"] = [t.token_id for t in tokens]
@@ -166,10 +166,10 @@ class Wire:
             body["prompt_logprobs"] = self._prompt_logprobs(result)
         return body
 
-    def _called(self, finish: StopCause | None, calls: list | None) -> bool:
+    def _ends_in_calls(self, finish: StopCause | None, called: bool) -> bool:
         """Whether a finished choice ends as `tool_calls`: it called a tool of its own accord (auto,
         required) and was not cut short."""
-        return bool(calls) and finish is not None and not isinstance(finish, Length) and self.tools.mode != "named"
+        return called and finish is not None and not isinstance(finish, Length) and self.tools.mode != "named"
 
     def _stream_tool_calls(self, result: ChoiceResult, text: str, finish: StopCause | None, choice: dict) -> None:
         stream = self._tool_streams.setdefault(result.index, ToolStream(self.tools))
@@ -177,7 +177,7 @@ class Wire:
         if finish is not None:
             more_content, more_calls = stream.end()
             content, calls = content + more_content, calls + more_calls
-            if stream.num_calls and self._called(finish, [None]):
+            if self._ends_in_calls(finish, stream.num_calls > 0):
                 choice["finish_reason"] = "tool_calls"
         choice["delta"] = {"content": content} if content or not calls else {}
         if calls:

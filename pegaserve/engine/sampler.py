@@ -1,8 +1,8 @@
 """Sampling: batched over a step's logits, one row per request.
 
 Processing, in vLLM's order, on a copy of just the rows that need it (the caller's logits are never
-changed): allowed_token_ids and a grammar (every other token masked), logit_bias (added), the min_tokens mask
-(docs/CONTRACT.md rule 6), repetition_penalty over
+changed): allowed_token_ids and a grammar (every other token masked), logit_bias (added), the
+min_tokens mask (docs/CONTRACT.md rule 6) and bad words, repetition_penalty over
 prompt + output (HF: each distinct token's logit divided by p if positive, else multiplied), then
 frequency and presence penalties over the output (OpenAI: minus frequency * count, minus presence
 once). The masks are written after the penalties, which changes nothing for valid values (they keep

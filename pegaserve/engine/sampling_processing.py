@@ -1,8 +1,8 @@
 """The sampler's processing of logits before temperature, in vLLM's order (sampler.py's docstring):
-logit_bias, repetition, frequency and presence penalties, then the masks: allowed_token_ids (every other
-token), a grammar's bitmask and min_tokens. Each phase is batched over the rows that use it, and a no-op when none do; all
-of them write into the rows' own copy. (vLLM masks by allowed_token_ids first: the same floats, as
-every phase keeps -inf at -inf.)
+logit_bias, repetition, frequency and presence penalties, then the masks: allowed_token_ids (every
+other token), a grammar's bitmask, and min_tokens' and bad words' ids. Each phase is batched over the
+rows that use it, and a no-op when none do; all of them write into the rows' own copy. (vLLM masks by
+allowed_token_ids first: the same floats, as every phase keeps -inf at -inf.)
 """
 
 from __future__ import annotations
