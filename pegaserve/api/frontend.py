@@ -5,13 +5,15 @@ Streaming and non-streaming share this path."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import aclosing
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, replace
 
+from pegaserve.api.beam import BeamPlan, beam_search, final_output, num_alternatives
 from pegaserve.api.choice import ChoiceDelta, ChoiceStream
 from pegaserve.api.clients import EngineClient, LedgerClient
 from pegaserve.api.errors import ApiError
@@ -21,9 +23,9 @@ from pegaserve.api.observer import RequestObserver
 from pegaserve.api.validation import Limits, PromptPlan
 from pegaserve.api.wire import ChoiceResult, Usage, Wire
 from pegaserve.engine.engine import EngineOverloaded, RequestRejected
-from pegaserve.engine.request import EngineRequest, StepOutput
+from pegaserve.engine.request import EngineRequest, SampledToken, SamplingParams, StepOutput
 from pegaserve.ledger import Arrived, Finished, LedgerEvent, TokensCommitted
-from pegaserve.stop import Abort, Error, StopCause, String
+from pegaserve.stop import Abort, Error, StopCause, StopPolicy, String
 from pegaserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,7 @@ class Job:
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False
+    beam: BeamPlan | None = None  # use_beam_search: the choices are the best beams (pegaserve/api/beam.py)
 
     def engine_request(self, p: int) -> EngineRequest:
         """Prompt p's engine request; its id is unique per HTTP request and per prompt."""
@@ -112,9 +115,10 @@ class Frontend:
 
     def _deltas(self, job: Job) -> AsyncIterator[tuple[int, ChoiceDelta]]:
         """Every choice's deltas, interleaved as they arrive, with their wire index."""
+        run = self._run_prompt if job.beam is None else self._run_beams
         if len(job.prompts) == 1:
-            return self._run_prompt(job, 0)
-        return _merge([self._run_prompt(job, p) for p in range(len(job.prompts))])
+            return run(job, 0)
+        return _merge([run(job, p) for p in range(len(job.prompts))])
 
     async def _run_prompt(self, job: Job, p: int) -> AsyncIterator[tuple[int, ChoiceDelta]]:
         """Prompt p's choices through their finishing deltas. Leaving early aborts the engine request;
@@ -124,33 +128,94 @@ class Frontend:
         outputs = self.engine.generate(run.request)
         start = last = time.perf_counter()
         try:
-            async for output in outputs:
-                step = run.feed(output)
-                if step is not None:
-                    if isinstance(step.finish, String):
-                        self.engine.abort(output.request_id)
-                    now = time.perf_counter()
-                    if last == start:
-                        self.observer.first_token(now - start)
-                    else:
-                        self.observer.tokens(len(step.tokens), now - last)
-                    last = now
-                    yield run.index(output.request_id), step
-                if run.done:
-                    break
-        except RequestRejected as exc:
-            run.fail(exc)
-            raise ApiError(str(exc), param="prompt") from exc
-        except EngineOverloaded as exc:
-            run.fail(exc)
-            raise ApiError("the server is at capacity; retry later", status=429) from exc
-        except Exception as exc:  # a replica died, a transfer broke: the request fails, the server does not
-            log.exception("request %s (client id %r) failed", run.request.request_id, job.client_request_id)
-            run.fail(exc)
-            raise ApiError(FAILED, status=500) from exc
+            with _failing(run):
+                async for output in outputs:
+                    step = run.feed(output)
+                    if step is not None:
+                        if isinstance(step.finish, String):
+                            self.engine.abort(output.request_id)
+                        now = time.perf_counter()
+                        if last == start:
+                            self.observer.first_token(now - start)
+                        else:
+                            self.observer.tokens(len(step.tokens), now - last)
+                        last = now
+                        yield run.index(output.request_id), step
+                    if run.done:
+                        break
         finally:
             await outputs.aclose()
             await asyncio.shield(self._account(run, time.perf_counter() - start))
+
+    async def _run_beams(self, job: Job, p: int) -> AsyncIterator[tuple[int, ChoiceDelta]]:
+        """Prompt p's choices by beam search (pegaserve/api/beam.py), each whole once the search ends.
+        Every step's engine requests are requests of their own in the ledger, one token each."""
+        run = _PromptRun(job, p, self.tokenizer)
+        plan = job.prompts[p]
+        await self.ledger.record(run.arrivals(), "ingress")
+        start = time.perf_counter()
+        step_numbers = itertools.count(1)
+        prompt_logprobs = None
+
+        async def step(contexts: list[tuple[int, ...]]) -> list[SampledToken]:
+            nonlocal prompt_logprobs
+            number = next(step_numbers)
+            requests = [EngineRequest(f"{run.request.request_id}-beam{number}.{i}", context,
+                                      SamplingParams(temperature=0.0, num_top_logprobs=alternatives),
+                                      StopPolicy(max_tokens=1, ignore_eos=True),
+                                      num_prompt_logprobs=plan.num_prompt_logprobs if number == 1 else None,
+                                      cache_salt=plan.cache_salt)
+                        for i, context in enumerate(contexts)]
+            outputs = await self._one_token_each(requests, job.client_request_id)
+            if number == 1:
+                prompt_logprobs = outputs[0].prompt_logprobs
+            return [output.tokens[0] for output in outputs]
+
+        alternatives = num_alternatives(job.beam, plan.sampling.num_top_logprobs)
+        new_stream = run.new_stream if plan.stops.strings else None
+        try:
+            with _failing(run):
+                beams = await beam_search(step, plan.prompt_token_ids, plan.policy, job.beam,
+                                          plan.sampling.num_top_logprobs, new_stream)
+            self.observer.first_token(time.perf_counter() - start)
+            for choice_id, found in zip(run.choice_ids, beams):
+                yield run.index(choice_id), run.feed(final_output(choice_id, found, prompt_logprobs))
+        finally:
+            await asyncio.shield(self._account(run, time.perf_counter() - start))
+
+    async def _one_token_each(self, requests: list[EngineRequest], client_id: str | None) -> list[StepOutput]:
+        """Each request's one token, the requests run together; each has its record in the ledger."""
+        got: dict[str, StepOutput] = {}
+
+        async def one(request: EngineRequest) -> None:
+            async with aclosing(self.engine.generate(request)) as outputs:
+                async for output in outputs:
+                    earlier = got.get(output.request_id)
+                    got[output.request_id] = output if earlier is None else earlier.then(output)
+
+        await self.ledger.record([Arrived(r.request_id, len(r.prompt_token_ids), 1, client_id) for r in requests],
+                                 "ingress")
+        tasks = [asyncio.create_task(one(r)) for r in requests]
+        unfinished: StopCause = Abort()
+        try:
+            await asyncio.gather(*tasks)
+        except Exception as exc:
+            unfinished = Error(f"{type(exc).__name__}: {exc}")
+            raise
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            events: list[LedgerEvent] = []
+            for r in requests:
+                output, size = got.get(r.request_id), len(r.prompt_token_ids)
+                if output is not None and output.finish is not None:
+                    events += [TokensCommitted(r.request_id, tuple(t.token_id for t in output.tokens)),
+                               Finished(r.request_id, output.finish, size, len(output.tokens))]
+                else:
+                    events.append(Finished(r.request_id, unfinished, size, 0))
+            await asyncio.shield(self.ledger.record(events, "ingress"))
+        return [got[r.request_id] for r in requests]
 
     async def _account(self, run: _PromptRun, e2e_s: float) -> None:
         for j, cause, prompt_tokens, num_tokens in run.outcomes():
@@ -167,17 +232,25 @@ class _PromptRun:
     def __init__(self, job: Job, p: int, tokenizer: Tokenizer) -> None:
         self.job = job
         self.request = job.engine_request(p)
-        plan = job.prompts[p]
+        self._p, self._tokenizer = p, tokenizer
         self._choice_ids = [self.request.choice_id(j) for j in range(job.n)]
         self._first_index = p * job.n
-        self._streams = {c: ChoiceStream(tokenizer.detokenizer(plan.skip_special_tokens), plan.stops,
-                                         plan.policy.min_tokens) for c in self._choice_ids}
+        self._streams = {c: self.new_stream() for c in self._choice_ids}
         self._running = set(self._choice_ids)
         self._scores = None  # the prompt's scores, which its choices share
 
     @property
     def done(self) -> bool:
         return not self._running
+
+    @property
+    def choice_ids(self) -> list[str]:
+        return list(self._choice_ids)
+
+    def new_stream(self) -> ChoiceStream:
+        """A fresh stream with this prompt's stop strings and text rules."""
+        plan = self.job.prompts[self._p]
+        return ChoiceStream(self._tokenizer.detokenizer(plan.skip_special_tokens), plan.stops, plan.policy.min_tokens)
 
     def index(self, choice_id: str) -> int:
         return self._first_index + self._choice_ids.index(choice_id)
@@ -221,6 +294,23 @@ class _PromptRun:
     def _prompt_shares(self) -> list[int]:
         """The choices share one prefill: the first accounts for the prompt, so records sum to the usage."""
         return [len(self.request.prompt_token_ids) if j == 0 else 0 for j in range(self.job.n)]
+
+
+@contextmanager
+def _failing(run: _PromptRun):
+    """An engine's failure as the client's error; the run's choices end with it."""
+    try:
+        yield
+    except RequestRejected as exc:
+        run.fail(exc)
+        raise ApiError(str(exc), param="prompt") from exc
+    except EngineOverloaded as exc:
+        run.fail(exc)
+        raise ApiError("the server is at capacity; retry later", status=429) from exc
+    except Exception as exc:  # a replica died, a transfer broke: the request fails, the server does not
+        log.exception("request %s (client id %r) failed", run.request.request_id, run.job.client_request_id)
+        run.fail(exc)
+        raise ApiError(FAILED, status=500) from exc
 
 
 async def _merge(streams: list[AsyncIterator]) -> AsyncIterator:

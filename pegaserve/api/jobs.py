@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from pegaserve.api import validation as v
+from pegaserve.api.beam import BeamPlan
 from pegaserve.api.errors import invalid
 from pegaserve.api.frontend import Frontend, Job, new_response_id, now_s
 from pegaserve.api.tools import ToolPlan, plan_tools
@@ -48,7 +49,7 @@ def completion_job(frontend: Frontend, body: CompletionRequest, header_id: str |
                                    bad_words=banned, grammar=grammar))
     response_id = new_response_id("cmpl")
     wire = _wire(frontend, body, Endpoint.COMPLETIONS, response_id, num_top, echo=body.echo)
-    return _job(body, response_id, header_id, plans, wire)
+    return _job(body, response_id, header_id, plans, wire, v.beam_search(body, grammar))
 
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions (chat: the context left)
@@ -70,15 +71,16 @@ def chat_job(frontend: Frontend, body: ChatCompletionRequest, header_id: str | N
     role = "assistant" if body.add_generation_prompt else body.messages[-1].role
     last = body.messages[-1]
     echo = message_text(last.content) if body.echo and last.role == role else ""  # vLLM's chat echo
+    grammar = v.structured_output(body, tool_grammar)
     plan = replace(v.plan_prompt(body, ids, frontend.model, frontend.limits, max_tokens, num_top,
-                                 bad_words=bad_words(frontend, body),
-                                 grammar=v.structured_output(body, tool_grammar)), echo_text=echo)
+                                 bad_words=bad_words(frontend, body), grammar=grammar), echo_text=echo)
     response_id = new_response_id("chatcmpl")
     wire = _wire(frontend, body, Endpoint.CHAT, response_id, num_top, role=role, tools=tool_plan)
-    return _job(body, response_id, header_id, [plan], wire)
+    return _job(body, response_id, header_id, [plan], wire, v.beam_search(body, grammar))
 
 
-def _job(body: SamplingFields, response_id: str, header_id: str | None, plans: list, wire: Wire) -> Job:
+def _job(body: SamplingFields, response_id: str, header_id: str | None, plans: list, wire: Wire,
+         beam: BeamPlan | None) -> Job:
     options = body.stream_options
     return Job(
         response_id=response_id,
@@ -89,6 +91,7 @@ def _job(body: SamplingFields, response_id: str, header_id: str | None, plans: l
         stream=body.stream,
         include_usage=bool(options and options.include_usage),
         continuous_usage=bool(options and options.continuous_usage_stats),
+        beam=beam,
     )
 
 

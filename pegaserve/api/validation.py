@@ -9,6 +9,7 @@ import math
 import secrets
 from dataclasses import dataclass, replace
 
+from pegaserve.api.beam import BeamPlan
 from pegaserve.api.choice import StopStrings
 from pegaserve.api.errors import ApiError, invalid
 from pegaserve.api.model_info import ModelInfo
@@ -63,13 +64,35 @@ def check_model(model: str | None, info: ModelInfo) -> None:
         raise ApiError(f"The model `{model}` does not exist.", param="model", status=404)
 
 
-def check_refused(body: SamplingFields, names: tuple[str, ...]) -> None:
-    """Fields pegaserve knows but does not serve: accepted at their defaults (or an empty list,
-    e.g. `tools: []`) only."""
+def check_refused(body: SamplingFields, names: tuple[str, ...], why: str = "is not supported") -> None:
+    """Fields pegaserve knows but does not serve (here, or with what else the body asks for):
+    accepted at their defaults (or an empty list, e.g. `tools: []`) only."""
     for name in names:
         value, default = getattr(body, name), type(body).model_fields[name].default
         if value != default and value != [] and value != "":
-            raise invalid(name, f"is not supported (only {default!r})")
+            raise invalid(name, f"{why} (only {default!r})")
+
+
+# What beam search has no use for: it ranks beams by the model's raw logprobs, and takes no mask
+_NOT_WITH_BEAMS = ("top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+                   "allowed_token_ids", "bad_words", "min_tokens", "prompt_logprobs")
+
+
+def beam_search(body: SamplingFields, grammar: GrammarSpec | None) -> BeamPlan | None:
+    """vLLM's `use_beam_search`: `n` beams (pegaserve/api/beam.py). What would change the model's
+    distribution is a 400 beside it, never ignored."""
+    if not body.use_beam_search:
+        if body.length_penalty != 1.0:
+            raise invalid("length_penalty", "only applies with use_beam_search")
+        return None
+    check_refused(body, _NOT_WITH_BEAMS, "is not available with use_beam_search")
+    if "temperature" in body.model_fields_set and body.temperature >= GREEDY_BELOW:
+        raise invalid("temperature", "beam search ranks beams by the model's own logprobs: send 0 or leave it out")
+    if body.top_k not in (0, -1):
+        raise invalid("top_k", "is not available with use_beam_search (only 0 or -1)")
+    if grammar is not None:
+        raise invalid("use_beam_search", "not with a structured output or a tool_choice that needs a grammar")
+    return BeamPlan(body.n, body.length_penalty)
 
 
 def check_common(body: SamplingFields, num_prompts: int, limits: Limits) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import torch
 
 from pegaserve.api.frontend import Frontend
 from pegaserve.api.validation import Limits
@@ -38,3 +39,20 @@ def raw_json(body) -> bytes:
 
 def sse_chunks(text: str) -> list[dict]:
     return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+
+
+def reference_beams(hf, prompt, width: int, max_tokens: int) -> list[tuple[tuple[int, ...], list[float]]]:
+    """Beam search over transformers' logits (no EOS): each beam's tokens and their logprobs, best
+    first. Asserts no two candidates at the cut are closer than fp32 noise."""
+    live = [((), [])]
+    for _ in range(max_tokens):
+        candidates = []
+        for tokens, logprobs in live:
+            with torch.inference_mode():
+                row = hf(input_ids=torch.tensor([list(prompt) + list(tokens)])).logits[0, -1].double()
+            top = torch.log_softmax(row, -1).topk(2 * width)
+            candidates += [(tokens + (t,), logprobs + [v]) for v, t in zip(top.values.tolist(), top.indices.tolist())]
+        candidates.sort(key=lambda c: -sum(c[1]))
+        assert sum(candidates[width - 1][1]) - sum(candidates[width][1]) > 1e-3, "pick a prompt without a near tie"
+        live = candidates[:width]
+    return live

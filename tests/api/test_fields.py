@@ -31,6 +31,7 @@ from tests.contract.server import ThreadedServer
 CONTRACT = "test_contract_colocated::test_contract_case"
 STRUCTURED = "test_structured_outputs::test_response_format_json_schema_and_json_object"
 AGREE = "test_structured_outputs::test_structured_outputs_and_the_guided_fields_agree"
+BEAMS = "test_beam_search::test_completions_beams_are_transformers_beam_search"
 TOOLS = "test_tools::test_auto_tool_calls_come_back_as_tool_calls_streamed_and_not"
 # field -> the tests that show what it does ("module::test" under tests/api)
 BEHAVIOUR = {
@@ -102,6 +103,8 @@ BEHAVIOUR = {
     "guided_choice": [AGREE],
     "guided_grammar": [AGREE],
     "cache_salt": ["test_fields::test_cache_salt_keeps_cached_prompts_apart"],
+    "use_beam_search": [BEAMS, "test_beam_search::test_the_best_beam_can_start_with_a_token_greedy_would_not_pick"],
+    "length_penalty": ["test_beam_search::test_eos_ends_a_beam_and_the_length_penalty_weighs_it_against_longer_ones"],
     "allowed_token_ids": ["test_fields::test_allowed_token_ids_are_the_only_tokens_sampled"],
     "bad_words": ["test_fields::test_bad_words_are_never_completed"],
     "request_id": [
@@ -137,7 +140,6 @@ NO_EFFECT = {
 }
 # refused unless at the default: (field, a non-default value)
 REFUSED_VALUES = {
-    "use_beam_search": True, "length_penalty": 1.5,
     "logprob_token_ids": [5], "priority": 1,
     "kv_transfer_params": {"x": 1}, "vllm_xargs": {"x": 1}, "suffix": "tail", "store": True,
     "chat_template": "{{ messages }}",

@@ -16,6 +16,7 @@ from transformers import Qwen3ForCausalLM
 from pegaserve.tokenizer import Tokenizer
 from tests.contract import cases
 from tests.contract.cases import CASES
+from tests.api.helpers import reference_beams
 from tests.contract.checks import check_case
 from tests.engine.helpers import PROMPTS
 from tests.serve.helpers import deploy, start_ray, wait_for_idle_pools
@@ -88,6 +89,21 @@ def test_pd_greedy_equals_transformers_over_gloo(gloo_url, reference_tokens):
         assert ids == expected
         handoff = httpx.get(f"{gloo_url}/admin/ledger/{request_id}").json()["handoff"]
         assert handoff["transport"] == "gloo" and handoff["fallback"] is None and handoff["kv_bytes"] > 0
+
+
+def test_beam_search_through_pd_is_transformers_beam_search_with_no_kv_moved(gloo_url, tiny_model_dir):
+    """Each step's one-token requests end at prefill (rule 21), and each is closed in the ledger."""
+    prompt = PROMPTS[1]
+    body = {"prompt": prompt, "max_tokens": 4, "n": 2, "use_beam_search": True, "ignore_eos": True,
+            "return_token_ids": True}
+    response = httpx.post(f"{gloo_url}/v1/completions", json=body, timeout=60).json()
+    hf = Qwen3ForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    assert [c["token_ids"] for c in response["choices"]] == [list(t) for t, _ in reference_beams(hf, prompt, 2, 4)]
+    for step in ("beam1.0", "beam4.1"):
+        record = httpx.get(f"{gloo_url}/admin/ledger/{response['id']}-{step}").json()
+        assert record["status"] == "finished" and record["handoff"] is None and record["violations"] == []
+        assert record["first_token"] is not None  # prefill's, as the step's only token
+    wait_for_idle_pools(gloo_url, replicas=4)
 
 
 def test_n_choices_share_one_handoff_recorded_per_choice(gloo_url):
