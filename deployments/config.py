@@ -30,6 +30,9 @@ class EngineArgs(BaseModel):
     enable_prefix_caching: bool = Field(True, description="reuse the KV of cached prompt prefixes")
     separate_process: bool = Field(
         True, description="run each replica's engine loop in a process of its own (off its replica's GIL)")
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "fcfs", description="fcfs: first come, first served; priority: by each request's `priority` (lower "
+        "first), then arrival, preempting lower-priority running requests for higher ones (vLLM's policies)")
 
 
 class SpeculativeArgs(BaseModel):

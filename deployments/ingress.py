@@ -43,7 +43,7 @@ class Ingress:
         else:
             engine = DisaggregatedClient(prefill, decode, self.inbox, self.name, info.name, self.args.max_migrations,
                                          ledger, self.args.stream_interval)
-        limits = Limits(**self.args.limits.model_dump())
+        limits = Limits(**self.args.limits.model_dump(), scheduling_policy=self.args.engine.scheduling_policy)
         self.frontend = Frontend(engine, tokenizer, info, ledger, limits, IngressMetrics(info.name))
         freeze_startup_heap()
 

@@ -47,6 +47,7 @@ def engine_config(args: AppArgs, role: Role) -> EngineConfig:
         speculative=None if s is None else SpeculativeConfig(s.method, s.num_draft_tokens, s.prompt_lookup_min,
                                                             s.prompt_lookup_max),
         lease_timeout_s=args.lease_timeout_s,
+        scheduling_policy=e.scheduling_policy,
     )
 
 

@@ -4,6 +4,7 @@ process, behind the same OpenAI app the Ray ingress serves. `python -m pegaserve
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from pegaserve.api.app import build_app
 from pegaserve.api.clients import LocalEngineClient, LocalLedgerClient
@@ -32,6 +33,7 @@ def build_local_frontend(
     if engine is None:
         engine = load_engine(model_dir, engine_config, attention_backend)
     info = model_info(served_name(model), ModelConfig.from_dir(model_dir), engine_config.max_model_len)
+    limits = replace(limits, scheduling_policy=engine_config.scheduling_policy)
     return Frontend(LocalEngineClient(AsyncEngine.in_thread(engine)), Tokenizer(model_dir), info,
                     LocalLedgerClient(), limits)
 

@@ -84,9 +84,9 @@ class SamplingFields(Body):
     cache_salt: str | None = None  # cached prompt blocks are shared only with requests of the same salt
     use_beam_search: StrictBool = False  # vLLM's: the choices are the n best beams (pegaserve/api/beam.py)
     length_penalty: float = 1.0  # beam search's: a beam's score is cum_logprob / length ** length_penalty
+    priority: StrictInt = 0  # vLLM's: lower runs first, under the priority scheduling policy only
     # Refused unless at their defaults (`REFUSED`):
     logprob_token_ids: list[StrictInt] | None = None
-    priority: StrictInt = 0
     kv_transfer_params: JsonValue = None
     vllm_xargs: JsonValue = None
 
@@ -134,7 +134,7 @@ class ChatCompletionRequest(SamplingFields):
     web_search_options: JsonValue = None
 
 
-REFUSED_SHARED = ("logprob_token_ids", "priority", "kv_transfer_params", "vllm_xargs")
+REFUSED_SHARED = ("logprob_token_ids", "kv_transfer_params", "vllm_xargs")
 REFUSED_COMPLETION = (*REFUSED_SHARED, "suffix")
 REFUSED_CHAT = (*REFUSED_SHARED, "store", "chat_template", "documents", "functions", "function_call",
                 "reasoning_effort", "audio", "prediction", "web_search_options")

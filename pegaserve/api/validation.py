@@ -42,6 +42,7 @@ class Limits:
     max_logit_bias: int = 2048  # entries in logit_bias
     max_bad_words: int = 128
     max_bad_word_chars: int = 256
+    scheduling_policy: str = "fcfs"  # the engines': `priority` is accepted only under "priority"
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class PromptPlan:
     num_prompt_logprobs: int | None  # None: the engine does not score the prompt
     echo_text: str = ""  # shown before each choice's text (echo)
     cache_salt: str | None = None  # EngineRequest.cache_salt
+    priority: int = 0  # EngineRequest.priority
 
 
 def check_model(model: str | None, info: ModelInfo) -> None:
@@ -110,6 +112,11 @@ def check_common(body: SamplingFields, num_prompts: int, limits: Limits) -> None
         raise invalid("seed", f"must be a 64-bit integer, got {body.seed}")
     if body.cache_salt == "":
         raise invalid("cache_salt", "must be a non-empty string if given")
+    if body.priority != 0 and limits.scheduling_policy != "priority":
+        raise invalid("priority", "priority scheduling is not enabled on this server (engine.scheduling_policy: "
+                                  "priority enables it); only 0")
+    if not INT64[0] <= body.priority <= INT64[1]:
+        raise invalid("priority", f"must be a 64-bit integer, got {body.priority}")
     if body.prompt_logprobs is not None:
         if not 0 <= body.prompt_logprobs <= limits.max_logprobs:
             raise invalid("prompt_logprobs", f"must be between 0 and {limits.max_logprobs}, got {body.prompt_logprobs}")
@@ -190,6 +197,7 @@ def plan_prompt(
         num_prompt_logprobs=num_prompt_logprobs,
         echo_text=echo_text or "",
         cache_salt=body.cache_salt,
+        priority=body.priority,
     )
 
 

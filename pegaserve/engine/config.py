@@ -40,3 +40,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     speculative: SpeculativeConfig | None = None
     lease_timeout_s: float = 60.0  # prefill role: a parked request's blocks are freed this long after it parked
+    # "fcfs": first come, first served; "priority": by each request's priority (lower first), then
+    # arrival, and lower-priority running requests are preempted for higher ones (vLLM's policies)
+    scheduling_policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        assert self.scheduling_policy in ("fcfs", "priority"), "validated at the config edge"

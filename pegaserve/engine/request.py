@@ -61,7 +61,8 @@ class EngineRequest:
     tokens from it, choice i with seed `sampling.seed + i`. `num_prompt_logprobs` asks prefill to
     score the prompt's tokens (None: no prompt logprobs; k: the top-k alternatives of each too).
     `cache_salt` keeps its blocks apart in the prefix cache: they are shared only with requests of
-    the same salt (`block_pool.salt_root`).
+    the same salt (`block_pool.salt_root`). `priority` orders it under the priority scheduling
+    policy (lower first; `EngineConfig.scheduling_policy`).
     """
 
     request_id: str
@@ -71,7 +72,13 @@ class EngineRequest:
     n: int = 1
     num_prompt_logprobs: int | None = None
     cache_salt: str | None = None
+    priority: int = 0
     arrival_s: float = field(default_factory=time.time)
+
+    @property
+    def rank(self) -> tuple[int, float]:
+        """Its place under the priority policy: priority, then arrival."""
+        return self.priority, self.arrival_s
 
     def choice_id(self, index: int) -> str:
         """The engine's key of choice `index`: the request id itself when there is one choice."""

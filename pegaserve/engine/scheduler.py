@@ -1,7 +1,9 @@
 """Continuous batching with chunked prefill: each step, every running request gets its next tokens
 (a decode token with its speculative drafts, or the next chunk of its prompt), then waiting
 requests are admitted under the token budget; when blocks run out the newest running request is
-preempted (its KV dropped, recomputed later).
+preempted (its KV dropped, recomputed later). Under the priority policy the queues are ordered by
+priority, then arrival: the lowest-ranked running request is the one preempted, and running
+requests of a lower priority than the first waiting one make room for it.
 
 The scheduler owns every `RequestState` and is the only caller of the KV cache manager, so a
 request's progress and its blocks change only here: in `schedule()` (blocks for the step) and
@@ -13,6 +15,7 @@ scheduled_request.py.
 from __future__ import annotations
 
 import time
+from bisect import bisect_left, insort
 from collections import deque
 from dataclasses import dataclass
 
@@ -43,6 +46,47 @@ class ReceiveTarget:
     first_block: int  # the prompt's first block to move (the ones before it are cached here)
 
 
+def _rank(request: RequestState) -> tuple[int, float]:
+    return request.spec.rank
+
+
+class RankedQueue:
+    """The waiting queue under the priority policy, in rank order (`EngineRequest.rank`), with the
+    deque's methods the scheduler uses: a preempted request (`appendleft`) goes before the others of
+    its rank, a new one after them."""
+
+    def __init__(self) -> None:
+        self._items: list[RequestState] = []
+
+    def append(self, request: RequestState) -> None:
+        insort(self._items, request, key=_rank)
+
+    def appendleft(self, request: RequestState) -> None:
+        self._items.insert(bisect_left(self._items, request.spec.rank, key=_rank), request)
+
+    def extend(self, requests) -> None:
+        for request in requests:
+            self.append(request)
+
+    def popleft(self) -> RequestState:
+        return self._items.pop(0)
+
+    def remove(self, request: RequestState) -> None:
+        self._items.remove(request)
+
+    def __getitem__(self, index: int) -> RequestState:
+        return self._items[index]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __contains__(self, request) -> bool:
+        return request in self._items
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KvCacheManager, max_model_len: int,
                  proposer: Proposer | None = None, grammars: Grammars | None = None) -> None:
@@ -52,8 +96,9 @@ class Scheduler:
         self.block_size = kv.block_size
         self.max_model_len = max_model_len
         self.proposer = proposer
-        self.waiting: deque[RequestState] = deque()
-        self.running: list[RequestState] = []
+        self.by_priority = config.scheduling_policy == "priority"
+        self.waiting: deque[RequestState] | RankedQueue = RankedQueue() if self.by_priority else deque()
+        self.running: list[RequestState] = []  # by rank under the priority policy
         self.parked: dict[str, RequestState] = {}  # prefill role: first token out, blocks held for export
         self.lease_deadlines: dict[str, float] = {}  # parked choice id -> when its blocks are freed
         self.receiving: dict[str, list[RequestState]] = {}  # decode role: request id -> choices awaiting KV
@@ -109,7 +154,7 @@ class Scheduler:
                 choice.num_computed_tokens = choice.num_prompt_tokens
                 choice.set_status(Status.RUNNING)
                 self.kv.name_full_blocks(choice)
-                self.running.append(choice)
+                self._run(choice)
             else:
                 self.kv.free(choice)
                 choice.set_status(Status.WAITING)
@@ -136,6 +181,8 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         copies: list[tuple[int, int]] = []
         self._scheduled = []
+        if self.by_priority and self.waiting:
+            self._make_room_for_rank(self.waiting[0])
         budget, num_preempted = self._schedule_running(budget, scheduled, copies)
         if num_preempted == 0:  # no room to spare this step: admit nothing new
             self._schedule_waiting(budget, scheduled, copies)
@@ -175,9 +222,28 @@ class Scheduler:
             self.waiting.popleft()
             request.num_computed_tokens = start
             request.set_status(Status.RUNNING)
-            self.running.append(request)
+            self._run(request)
             scheduled.append(self._scheduled_request(request, num_new))
             budget -= num_new
+
+    def _run(self, request: RequestState) -> None:
+        if self.by_priority:
+            insort(self.running, request, key=_rank)
+        else:
+            self.running.append(request)
+
+    def _make_room_for_rank(self, head: RequestState) -> None:
+        """Priority policy: preempt running requests of a lower priority than `head`, the first
+        waiting one, while it could not start (no slot, or no blocks for its first chunk with one
+        block to spare for each running request's next token)."""
+        prefix = self.kv.find_cached_prefix(head)
+        start = prefix.num_tokens(self.block_size)
+        end = start + min(head.num_tokens - start, self.config.max_num_batched_tokens)
+        while self.running and self.running[-1].spec.priority > head.spec.priority:
+            need = self.kv.num_blocks_needed(head, end, prefix) + len(self.running)
+            if len(self.running) < self.config.max_num_seqs and self.kv.pool.can_allocate(need):
+                return
+            self._preempt(self.running[-1])
 
     def _num_new_tokens(self, request: RequestState, budget: int) -> int:
         """The request's uncomputed tokens and drafts, cut to the budget (drafts go first)."""
@@ -272,7 +338,7 @@ class Scheduler:
             choice.num_cached_tokens = lead.num_cached_tokens
             choice.prompt_scores = lead.prompt_scores  # the prompt's, complete now: the choices share it
             choice.set_status(Status.RUNNING)
-            self.running.append(choice)
+            self._run(choice)
         for choice, token in zip((lead, *forks), tokens):
             if choice.request_id in self.requests:
                 outputs.append(self._emit(choice, [token]))

@@ -14,6 +14,7 @@ import pytest
 from pydantic import BaseModel
 
 from pegaserve.api.app import build_app
+from pegaserve.engine.engine import EngineConfig
 from pegaserve.standalone import build_local_frontend
 from pegaserve.testing.scripted import scripted_engine
 from pegaserve.api.protocol import (
@@ -103,6 +104,7 @@ BEHAVIOUR = {
     "guided_choice": [AGREE],
     "guided_grammar": [AGREE],
     "cache_salt": ["test_fields::test_cache_salt_keeps_cached_prompts_apart"],
+    "priority": ["test_fields::test_priority_reaches_the_engine_only_under_the_priority_policy"],
     "use_beam_search": [BEAMS, "test_beam_search::test_the_best_beam_can_start_with_a_token_greedy_would_not_pick"],
     "length_penalty": ["test_beam_search::test_eos_ends_a_beam_and_the_length_penalty_weighs_it_against_longer_ones"],
     "allowed_token_ids": ["test_fields::test_allowed_token_ids_are_the_only_tokens_sampled"],
@@ -140,7 +142,7 @@ NO_EFFECT = {
 }
 # refused unless at the default: (field, a non-default value)
 REFUSED_VALUES = {
-    "logprob_token_ids": [5], "priority": 1,
+    "logprob_token_ids": [5],
     "kv_transfer_params": {"x": 1}, "vllm_xargs": {"x": 1}, "suffix": "tail", "store": True,
     "chat_template": "{{ messages }}",
     "documents": [{"text": "d"}], "functions": [{"name": "f"}], "function_call": "auto", "reasoning_effort": "low",
@@ -314,6 +316,25 @@ def test_cache_salt_keeps_cached_prompts_apart(tiny_model_dir):
         assert new_hits() == 0 and new_hits(cache_salt=None) == 32  # null: unsalted
         empty = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": prompt, "cache_salt": ""})
         assert empty.status_code == 400 and empty.json()["error"]["param"] == "cache_salt"
+
+
+def test_priority_reaches_the_engine_only_under_the_priority_policy(server, tiny_model_dir):
+    body = {"prompt": PROMPT, "max_tokens": 2}
+    refused = httpx.post(f"{server.base_url}/v1/completions", json={**body, "priority": 1})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "priority"
+    assert "scheduling_policy" in refused.json()["error"]["message"]
+    assert httpx.post(f"{server.base_url}/v1/completions", json={**body, "priority": 0}).status_code == 200
+    config = EngineConfig(scheduling_policy="priority")
+    engine = scripted_engine(tiny_model_dir, {}, config)
+    seen, add = [], engine.add_request
+    engine.add_request = lambda spec: (seen.append(spec.priority), add(spec))[1]
+    with ThreadedServer(build_app(build_local_frontend(engine=engine, engine_config=config))) as ranked:
+        assert httpx.post(f"{ranked.base_url}/v1/completions", json={**body, "priority": -3}).status_code == 200
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "priority": 7}
+        assert httpx.post(f"{ranked.base_url}/v1/chat/completions", json=chat).status_code == 200
+        huge = httpx.post(f"{ranked.base_url}/v1/completions", json={**body, "priority": 2**70})
+        assert huge.status_code == 400 and huge.json()["error"]["param"] == "priority"
+    assert seen == [-3, 7]
 
 
 def test_add_special_tokens_is_the_tokenizers(server, tiny_model_dir):

@@ -5,11 +5,19 @@ import torch
 from pydantic import ValidationError
 
 from deployments.config import AppArgs
+from deployments.replica import engine_config
+from pegaserve.engine.config import Role
 
 
 def test_defaults_are_the_cpu_pd_app(tiny_model_dir):
     args = AppArgs()
     assert (args.model, args.mode, args.transport, args.engine.device) == ("qwen3-tiny", "pd", "shm", "cpu")
+
+
+def test_the_scheduling_policy_reaches_every_engine_role():
+    args = AppArgs.model_validate({"engine": {"scheduling_policy": "priority"}})
+    assert {engine_config(args, role).scheduling_policy for role in Role} == {"priority"}
+    assert engine_config(AppArgs(), Role.DECODE).scheduling_policy == "fcfs"
 
 
 @pytest.mark.parametrize("bad,needle", [
@@ -21,6 +29,7 @@ def test_defaults_are_the_cpu_pd_app(tiny_model_dir):
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="valid where CUDA exists")),
     ({"engine": {"block_size": 0}}, "block_size"),
     ({"engine": {"num_blockz": 4}}, "num_blockz"),
+    ({"engine": {"scheduling_policy": "lifo"}}, "scheduling_policy"),
 ])
 def test_bad_args_fail_with_a_message_naming_the_problem(tiny_model_dir, bad, needle):
     with pytest.raises(ValidationError) as info:
