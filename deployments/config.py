@@ -62,6 +62,9 @@ class LimitsArgs(BaseModel):
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="admits a ~1 MB whole-vocabulary stop set")
     max_prompt_tokens: int | None = Field(None, ge=1, description="None: only the context limits prompts")
     max_tokens: int | None = Field(None, ge=1, description="cap on max_tokens; None: only the context")
+    trust_request_chat_template: bool = Field(
+        False, description="render a chat request's own `chat_template` (in transformers' sandbox), as vLLM's "
+        "--trust-request-chat-template; otherwise such a request is a 400")
 
 
 class AppArgs(BaseModel):

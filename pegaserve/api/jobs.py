@@ -4,7 +4,11 @@ prompt rendering is also what /tokenize answers."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
+
+import jinja2
+from jinja2 import meta as jinja2_meta
 
 from pegaserve.api import validation as v
 from pegaserve.api.beam import BeamPlan
@@ -18,13 +22,14 @@ from pegaserve.api.protocol import (
     ChatMessage,
     CompletionRequest,
     SamplingFields,
+    TokenizeRequest,
 )
 from pegaserve.api.wire import Endpoint, Wire
 from pegaserve.tokenizer import Tokenizer
 
 MAX_CLIENT_ID_CHARS = 256
-# apply_chat_template's own arguments, and the refused fields a template would otherwise take through
-# the kwargs (`chat_template` would swap the served template for the client's, as vLLM also refuses)
+# apply_chat_template's own arguments, and the fields the request has its own checked fields for
+# (`template_fields`: a client's `chat_template` only where the server trusts them, as vLLM)
 _TEMPLATE_RESERVED = {"messages", "add_generation_prompt", "continue_final_message", "tokenize", "tools",
                       "chat_template", "documents"}
 
@@ -62,7 +67,7 @@ def chat_job(frontend: Frontend, body: ChatCompletionRequest, header_id: str | N
     num_top = v.check_chat(body, frontend.limits)
     tools, tool_plan, tool_grammar = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
     text = render_chat(frontend.tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,
-                       body.chat_template_kwargs, tools)
+                       body.chat_template_kwargs, tools, *template_fields(frontend, body))
     ids = v.check_prompt_ids(encode(frontend.tokenizer, text, body.add_special_tokens), body, frontend.model,
                              "messages", frontend.limits)
     max_tokens = (body.max_completion_tokens, "max_completion_tokens")
@@ -156,10 +161,52 @@ def encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[in
     return tokenizer.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
 
+def template_fields(frontend: Frontend, body: ChatCompletionRequest | TokenizeRequest) -> tuple[str | None, dict]:
+    """The request's own chat template (None: the model's), where the server trusts them, and what
+    else goes to the template beside the messages: `documents` and `reasoning_effort`, each only to
+    a template that reads it (it would be ignored otherwise: a 400)."""
+    template = body.chat_template
+    if template is not None and not frontend.limits.trust_request_chat_template:
+        raise invalid("chat_template", "this server renders only the model's chat template (its "
+                                       "limits.trust_request_chat_template, vLLM's --trust-request-chat-template, "
+                                       "allows a request's own)")
+    if template is not None:
+        try:
+            names = _variables_of(template)
+        except jinja2.TemplateSyntaxError as exc:
+            raise invalid("chat_template", f"is not a valid Jinja template: {exc}") from None
+    else:
+        names = model_template_variables(frontend.tokenizer.hf.chat_template)
+    extras = {name: getattr(body, name) for name in ("documents", "reasoning_effort") if getattr(body, name) is not None}
+    for name in extras:
+        if names is not None and name not in names:
+            raise invalid(name, "the chat template does not read it")
+        if name in (body.chat_template_kwargs or {}):
+            raise invalid("chat_template_kwargs", f"sets {name}, which the request sets too")
+    return template, extras
+
+
+def model_template_variables(template: str | dict | None) -> frozenset[str] | None:
+    """The names the model's chat template (or templates, by name) reads; None where jinja2 alone
+    cannot parse it (a tag of transformers' own): then nothing is known to be unread."""
+    sources = template.values() if isinstance(template, dict) else [template] if template else []
+    try:
+        return frozenset().union(*(_variables_of(source) for source in sources))
+    except jinja2.TemplateSyntaxError:
+        return None
+
+
+@functools.lru_cache(maxsize=64)
+def _variables_of(source: str) -> frozenset[str]:
+    environment = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+    return frozenset(jinja2_meta.find_undeclared_variables(environment.parse(source)))
+
+
 def render_chat(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool,
-                continue_final_message: bool, template_kwargs: dict | None, tools: list | None = None) -> str:
-    """The conversation (and the tools the model may call) through the model's chat template; every
-    field a message sets is passed on."""
+                continue_final_message: bool, template_kwargs: dict | None, tools: list | None = None,
+                template: str | None = None, extras: dict | None = None) -> str:
+    """The conversation (and the tools the model may call) through the chat template (the model's,
+    or `template`); every field a message sets is passed on, with `extras` (`template_fields`)."""
     reserved = _TEMPLATE_RESERVED & set(template_kwargs or ())
     if reserved:
         raise invalid("chat_template_kwargs", f"may not set {sorted(reserved)}")
@@ -171,9 +218,10 @@ def render_chat(tokenizer: Tokenizer, messages: list[ChatMessage], add_generatio
     try:
         return tokenizer.hf.apply_chat_template(rendered, tokenize=False, add_generation_prompt=add_generation_prompt,
                                                 continue_final_message=continue_final_message, tools=tools,
-                                                **(template_kwargs or {}))
+                                                chat_template=template, **(template_kwargs or {}), **(extras or {}))
     except Exception as exc:  # a template that rejects the conversation is the client's problem
-        raise invalid("messages", f"the chat template rejected the messages: {exc}") from exc
+        raise invalid("chat_template" if template else "messages",
+                      f"the chat template rejected the messages: {exc}") from exc
 
 
 def message_text(content) -> str:

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, StrictBool, Strict
 
 StopField = str | list[str] | None
 Role = Literal["system", "user", "assistant", "tool", "developer"]
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high"]  # OpenAI's
 
 
 class Body(BaseModel):
@@ -123,12 +124,14 @@ class ChatCompletionRequest(SamplingFields):
     metadata: dict[str, str] | None = None  # no effect: nothing is stored
     store: StrictBool = False  # refused if true
     modalities: list[Literal["text"]] | None = None
-    # Refused unless at their defaults (`REFUSED`):
+    # The chat template's (`jobs.template_fields`): a template of the request's own where the server
+    # trusts them, and what vLLM hands the template beside the messages
     chat_template: str | None = None
-    documents: JsonValue = None
+    documents: list[dict[str, JsonValue]] | None = None
+    reasoning_effort: ReasoningEffort | None = None
+    # Refused unless at their defaults (`REFUSED`):
     functions: JsonValue = None
     function_call: JsonValue = None
-    reasoning_effort: JsonValue = None
     audio: JsonValue = None
     prediction: JsonValue = None
     web_search_options: JsonValue = None
@@ -136,8 +139,8 @@ class ChatCompletionRequest(SamplingFields):
 
 REFUSED_SHARED = ("logprob_token_ids", "kv_transfer_params", "vllm_xargs")
 REFUSED_COMPLETION = (*REFUSED_SHARED, "suffix")
-REFUSED_CHAT = (*REFUSED_SHARED, "store", "chat_template", "documents", "functions", "function_call",
-                "reasoning_effort", "audio", "prediction", "web_search_options")
+REFUSED_CHAT = (*REFUSED_SHARED, "store", "functions", "function_call", "audio", "prediction",
+                "web_search_options")
 
 
 class TokenizeRequest(Body):
@@ -150,6 +153,9 @@ class TokenizeRequest(Body):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, JsonValue] | None = None
+    chat_template: str | None = None  # as the chat endpoint's
+    documents: list[dict[str, JsonValue]] | None = None
+    reasoning_effort: ReasoningEffort | None = None
     return_token_strs: StrictBool = False
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pegaserve.api import validation as v
 from pegaserve.api.errors import invalid
 from pegaserve.api.frontend import Frontend
-from pegaserve.api.jobs import encode, render_chat
+from pegaserve.api.jobs import encode, render_chat, template_fields
 from pegaserve.api.protocol import DetokenizeRequest, TokenizeRequest
 
 
@@ -19,7 +19,7 @@ def tokenize(frontend: Frontend, body: TokenizeRequest) -> dict:
         if body.continue_final_message and body.add_generation_prompt:
             raise invalid("continue_final_message", "cannot be used with add_generation_prompt (set it to false)")
         text = render_chat(frontend.tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,
-                           body.chat_template_kwargs)
+                           body.chat_template_kwargs, None, *template_fields(frontend, body))
         ids = encode(frontend.tokenizer, text, bool(body.add_special_tokens))
     else:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens

@@ -43,6 +43,7 @@ class Limits:
     max_bad_words: int = 128
     max_bad_word_chars: int = 256
     scheduling_policy: str = "fcfs"  # the engines': `priority` is accepted only under "priority"
+    trust_request_chat_template: bool = False  # vLLM's --trust-request-chat-template
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import pytest
 from pydantic import BaseModel
 
 from pegaserve.api.app import build_app
+from pegaserve.api.validation import Limits
 from pegaserve.engine.engine import EngineConfig
 from pegaserve.standalone import build_local_frontend
 from pegaserve.testing.scripted import scripted_engine
@@ -125,6 +126,9 @@ BEHAVIOUR = {
                     "test_tools::test_required_tool_calls_keep_to_the_tools_schemas",
                     "test_tools::test_tool_choice_none_shows_no_tools_and_parses_nothing"],
     "tools": [TOOLS],
+    "chat_template": ["test_fields::test_a_requests_own_chat_template_only_where_the_server_trusts_it"],
+    "documents": ["test_fields::test_documents_and_reasoning_effort_reach_a_template_that_reads_them"],
+    "reasoning_effort": ["test_fields::test_documents_and_reasoning_effort_reach_a_template_that_reads_them"],
     "parallel_tool_calls": [TOOLS],
     "modalities": ["test_fields::test_text_is_the_only_modality"],
     "messages.role": [CONTRACT],
@@ -144,8 +148,7 @@ NO_EFFECT = {
 REFUSED_VALUES = {
     "logprob_token_ids": [5],
     "kv_transfer_params": {"x": 1}, "vllm_xargs": {"x": 1}, "suffix": "tail", "store": True,
-    "chat_template": "{{ messages }}",
-    "documents": [{"text": "d"}], "functions": [{"name": "f"}], "function_call": "auto", "reasoning_effort": "low",
+    "functions": [{"name": "f"}], "function_call": "auto",
     "audio": {"voice": "x"}, "prediction": {"type": "content", "content": "x"}, "web_search_options": {},
 }
 MODELS = {"completions": CompletionRequest, "chat": ChatCompletionRequest}
@@ -391,6 +394,58 @@ def test_template_kwargs_cannot_replace_the_template_or_pass_refused_fields(tiny
                 error = response.json()["error"]
                 assert response.status_code == 400 and error["param"] == "chat_template_kwargs", response.text
                 assert name in error["message"]
+
+
+RAG_TEMPLATE = ("{% for d in documents or [] %}[{{ d.title }}: {{ d.text }}]{% endfor %}"
+                "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                "{% if reasoning_effort %}effort={{ reasoning_effort }}{% endif %}")
+
+
+def rendered(running, **body) -> httpx.Response | str:
+    """The prompt /tokenize renders for `body` (its text), after checking the chat endpoint counts
+    the same tokens; the error response where either refuses."""
+    body = {"messages": [{"role": "user", "content": "hi"}], **body}
+    tokens = httpx.post(f"{running.base_url}/tokenize", json=body)
+    chat = httpx.post(f"{running.base_url}/v1/chat/completions", json={**body, "max_tokens": 1})
+    if tokens.status_code != 200 or chat.status_code != 200:
+        assert tokens.status_code == chat.status_code == 400 and tokens.json() == {
+            "error": {**chat.json()["error"], "message": tokens.json()["error"]["message"]}}
+        return chat
+    assert chat.json()["usage"]["prompt_tokens"] == tokens.json()["count"]
+    return httpx.post(f"{running.base_url}/detokenize", json={"tokens": tokens.json()["tokens"]}).json()["prompt"]
+
+
+def test_documents_and_reasoning_effort_reach_a_template_that_reads_them(tiny_model_dir):
+    documents = [{"title": "t1", "text": "alpha"}, {"title": "t2", "text": "beta"}]
+    with ThreadedServer(build_app(scripted_frontend(tiny_model_dir, {}))) as plain:
+        for field, value in (("documents", documents), ("reasoning_effort", "low")):
+            refused = rendered(plain, **{field: value})  # the default model's template reads neither
+            assert refused.json()["error"]["param"] == field and "does not read" in refused.json()["error"]["message"]
+    frontend = scripted_frontend(tiny_model_dir, {})
+    frontend.tokenizer.hf.chat_template = RAG_TEMPLATE
+    with ThreadedServer(build_app(frontend)) as rag:
+        assert rendered(rag, documents=documents, reasoning_effort="high") == \
+            "[t1: alpha][t2: beta]user: hi\neffort=high"
+        assert rendered(rag, documents=None) == "user: hi\n"
+        both = rendered(rag, reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "high"})
+        assert both.json()["error"]["param"] == "chat_template_kwargs"
+        assert rendered(rag, reasoning_effort="extreme").json()["error"]["param"] == "reasoning_effort"
+
+
+def test_a_requests_own_chat_template_only_where_the_server_trusts_it(tiny_model_dir):
+    own = "{% for m in messages %}<<{{ m.content }}>>{% endfor %}{% for d in documents %}({{ d.text }}){% endfor %}"
+    with ThreadedServer(build_app(scripted_frontend(tiny_model_dir, {}))) as plain:
+        refused = rendered(plain, chat_template=own)
+        assert refused.json()["error"]["param"] == "chat_template"
+        assert "trust_request_chat_template" in refused.json()["error"]["message"]
+    trusting = scripted_frontend(tiny_model_dir, {}, limits=Limits(trust_request_chat_template=True))
+    with ThreadedServer(build_app(trusting)) as running:
+        assert rendered(running, chat_template=own, documents=[{"text": "d"}]) == "<<hi>>(d)"
+        assert rendered(running, chat_template="{% for m in messages %}").json()["error"]["param"] == "chat_template"
+        raising = rendered(running, chat_template="{{ raise_exception('no') }}")
+        assert raising.json()["error"]["param"] == "chat_template"
+        escape = rendered(running, chat_template="{{ ''.__class__.__mro__[1].__subclasses__() }}")
+        assert escape.json()["error"]["param"] == "chat_template"  # transformers' sandbox holds
 
 
 def test_a_chat_response_carries_its_prompt_ids_whatever_n(server):
