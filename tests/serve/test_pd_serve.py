@@ -106,6 +106,25 @@ def test_beam_search_through_pd_is_transformers_beam_search_with_no_kv_moved(glo
     wait_for_idle_pools(gloo_url, replicas=4)
 
 
+def test_priority_reaches_prefill_and_decode_only_under_the_priority_policy(ray_serve, gloo_url):
+    body = {"prompt": PROMPTS[1], "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    refused = httpx.post(f"{gloo_url}/v1/completions", json={**body, "priority": 1}, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "priority"
+    url = deploy("ranked", {"transport": "gloo", "engine": {"num_blocks": 128, "scheduling_policy": "priority"}})
+    expected = httpx.post(f"{gloo_url}/v1/completions", json=body, timeout=60).json()["choices"][0]["token_ids"]
+
+    async def ranked_requests():
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await asyncio.gather(*(client.post(f"{url}/v1/completions", json={**body, "priority": p})
+                                          for p in (3, -1, 0, 2)))
+
+    for response in asyncio.run(ranked_requests()):
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["token_ids"] == expected
+    assert httpx.get(f"{url}/admin/ledger").json()["invariant_violations"] == 0
+    serve.delete("ranked")
+
+
 def test_n_choices_share_one_handoff_recorded_per_choice(gloo_url):
     """The KV of n choices moves once, and every event of it lands in each choice's record: none
     under the request's own id, which would stay open in the ledger for good."""
