@@ -14,7 +14,7 @@ from pegaserve.api import validation as v
 from pegaserve.api.beam import BeamPlan
 from pegaserve.api.errors import invalid
 from pegaserve.api.frontend import Frontend, Job, new_response_id, now_s
-from pegaserve.api.tools import ToolPlan, plan_tools
+from pegaserve.api.tools import ToolPlan, legacy_tools, plan_tools
 from pegaserve.api.protocol import (
     REFUSED_CHAT,
     REFUSED_COMPLETION,
@@ -65,7 +65,13 @@ def chat_job(frontend: Frontend, body: ChatCompletionRequest, header_id: str | N
     v.check_refused(body, REFUSED_CHAT)
     v.check_common(body, 1, frontend.limits)
     num_top = v.check_chat(body, frontend.limits)
-    tools, tool_plan, tool_grammar = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+    asked_tools, legacy_choice, legacy = legacy_tools(body.functions, body.function_call, body.tools)
+    tools, tool_plan, tool_grammar = plan_tools(asked_tools, legacy_choice if legacy else body.tool_choice,
+                                                body.parallel_tool_calls and not legacy)
+    if legacy and body.tool_choice is not None:
+        raise invalid("tool_choice", "not with functions: their choice is function_call")
+    if legacy and tool_plan is not None:
+        tool_plan = replace(tool_plan, legacy=True)
     text = render_chat(frontend.tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,
                        body.chat_template_kwargs, tools, *template_fields(frontend, body))
     ids = v.check_prompt_ids(encode(frontend.tokenizer, text, body.add_special_tokens), body, frontend.model,
@@ -214,6 +220,10 @@ def render_chat(tokenizer: Tokenizer, messages: list[ChatMessage], add_generatio
     for m in messages:
         message = m.model_dump(exclude_none=True, exclude={"content"})
         message["content"] = message_text(m.content)
+        if message["role"] == "function":  # OpenAI's legacy tool answer, to a template as any tool's
+            message["role"] = "tool"
+        if "function_call" in message and "tool_calls" not in message:
+            message["tool_calls"] = [{"type": "function", "function": message.pop("function_call")}]
         rendered.append(message)
     try:
         return tokenizer.hf.apply_chat_template(rendered, tokenize=False, add_generation_prompt=add_generation_prompt,

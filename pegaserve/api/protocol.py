@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, StrictBool, StrictInt, model_validator
 
 StopField = str | list[str] | None
-Role = Literal["system", "user", "assistant", "tool", "developer"]
+Role = Literal["system", "user", "assistant", "tool", "developer", "function"]  # function: OpenAI's legacy tool
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high"]  # OpenAI's
 
 
@@ -106,6 +106,7 @@ class ChatMessage(Body):
     name: str | None = None  # passed to the chat template, as the rest
     tool_calls: list[JsonValue] | None = None
     tool_call_id: str | None = None
+    function_call: JsonValue = None  # OpenAI's legacy form of one tool call: {"name", "arguments"}
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -129,9 +130,9 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None
     documents: list[dict[str, JsonValue]] | None = None
     reasoning_effort: ReasoningEffort | None = None
+    functions: list[JsonValue] | None = None  # OpenAI's legacy tools (pegaserve/api/tools.py, legacy_tools)
+    function_call: JsonValue = None  # and tool_choice: "none", "auto" or {"name": ...}
     # Refused unless at their defaults (`REFUSED`):
-    functions: JsonValue = None
-    function_call: JsonValue = None
     audio: JsonValue = None
     prediction: JsonValue = None
     web_search_options: JsonValue = None
@@ -139,8 +140,7 @@ class ChatCompletionRequest(SamplingFields):
 
 REFUSED_SHARED = ("logprob_token_ids", "kv_transfer_params", "vllm_xargs")
 REFUSED_COMPLETION = (*REFUSED_SHARED, "suffix")
-REFUSED_CHAT = (*REFUSED_SHARED, "store", "functions", "function_call", "audio", "prediction",
-                "web_search_options")
+REFUSED_CHAT = (*REFUSED_SHARED, "store", "audio", "prediction", "web_search_options")
 
 
 class TokenizeRequest(Body):

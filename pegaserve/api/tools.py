@@ -10,6 +10,8 @@ as `tool_calls`, as vLLM's `hermes` parser reads the models that write them (Qwe
   allows one.
 - a named function: the output is that function's arguments, held to its schema; the finish `stop`.
 - `"none"` (the default without tools): the tools are not shown to the model, nothing is parsed.
+- OpenAI's legacy `functions` and `function_call` are tools and a tool choice of one call at most,
+  which comes back as `message.function_call` with the finish `function_call` (`legacy_tools`).
 
 Streaming, a call goes out in one `tool_calls` delta when its block (auto) or the output (required)
 is whole, and a named function's arguments as they come; text that may open a block is held back
@@ -50,6 +52,7 @@ class ToolPlan:
     mode: str
     name: str | None = None  # the named function
     parallel: bool = True
+    legacy: bool = False  # asked for as `functions`: the call comes back as `function_call`
 
 
 def plan_tools(tools: list | None, tool_choice, parallel: bool) -> tuple[list | None, ToolPlan | None, GrammarSpec | None]:
@@ -77,6 +80,26 @@ def plan_tools(tools: list | None, tool_choice, parallel: bool) -> tuple[list | 
     if chosen is None:
         raise invalid("tool_choice", f"names {name!r}, which is not one of the tools")
     return tools, ToolPlan("named", name=name), GrammarSpec("json_schema", json.dumps(_parameters(chosen)))
+
+
+def legacy_tools(functions: list | None, function_call, tools: list | None) -> tuple[list | None, object, bool]:
+    """OpenAI's legacy `functions` and `function_call` as tools and a tool choice; whether they were."""
+    if functions is None:
+        if function_call is not None:
+            raise invalid("function_call", "needs functions")
+        return tools, None, False
+    if tools:
+        raise invalid("functions", "give tools or functions (OpenAI's legacy form), not both")
+    for i, function in enumerate(functions):
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise invalid("functions", f"function {i} must be an object with a name")
+    if function_call is None or function_call in ("none", "auto"):
+        choice = function_call
+    elif isinstance(function_call, dict) and isinstance(function_call.get("name"), str):
+        choice = {"type": "function", "function": {"name": function_call["name"]}}
+    else:
+        raise invalid("function_call", "must be 'none', 'auto' or {\"name\": ...}")
+    return [{"type": "function", "function": f} for f in functions], choice, True
 
 
 def _function(index: int, tool) -> dict:

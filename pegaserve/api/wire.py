@@ -145,10 +145,14 @@ class Wire:
         body: dict = {"index": result.index}
         if self.chat and not chunk and self.tools is not None:
             content, calls = parse(self.tools, text)
-            body["message"] = {"role": self.role, "content": content,
-                               "tool_calls": [call.body(i) for i, call in enumerate(calls)]}
-            for call in body["message"]["tool_calls"]:
-                del call["index"]  # (a streamed delta's)
+            body["message"] = {"role": self.role, "content": content}
+            if self.tools.legacy:
+                if calls:
+                    body["message"]["function_call"] = calls[0].body(0)["function"]
+            else:
+                body["message"]["tool_calls"] = [call.body(i) for i, call in enumerate(calls)]
+                for call in body["message"]["tool_calls"]:
+                    del call["index"]  # (a streamed delta's)
         elif self.chat:
             body["delta" if chunk else "message"] = {"content": text} if chunk else {"role": self.role, "content": text}
         else:
@@ -156,8 +160,9 @@ class Wire:
         body["logprobs"] = None if self.num_top_logprobs is None else self._logprobs(result, tokens, first)
         body["finish_reason"] = finish_reason(finish) if finish else None
         body["stop_reason"] = stop_reason(finish) if finish else None
-        if not chunk and self.chat and self._ends_in_calls(finish, bool(body["message"].get("tool_calls"))):
-            body["finish_reason"] = "tool_calls"
+        if not chunk and self.chat and self._ends_in_calls(finish, bool(body["message"].get("tool_calls")
+                                                                         or body["message"].get("function_call"))):
+            body["finish_reason"] = self._calls_finish
         if self.return_token_ids:
             body["token_ids"] = [t.token_id for t in tokens]
             if not self.chat and first:
@@ -171,6 +176,10 @@ class Wire:
         required) and was not cut short."""
         return called and finish is not None and not isinstance(finish, Length) and self.tools.mode != "named"
 
+    @property
+    def _calls_finish(self) -> str:
+        return "function_call" if self.tools.legacy else "tool_calls"
+
     def _stream_tool_calls(self, result: ChoiceResult, text: str, finish: StopCause | None, choice: dict) -> None:
         stream = self._tool_streams.setdefault(result.index, ToolStream(self.tools))
         content, calls = stream.feed(text)
@@ -178,9 +187,11 @@ class Wire:
             more_content, more_calls = stream.end()
             content, calls = content + more_content, calls + more_calls
             if self._ends_in_calls(finish, stream.num_calls > 0):
-                choice["finish_reason"] = "tool_calls"
+                choice["finish_reason"] = self._calls_finish
         choice["delta"] = {"content": content} if content or not calls else {}
-        if calls:
+        if calls and self.tools.legacy:  # one call at most: its name, then its arguments as they come
+            choice["delta"]["function_call"] = dict(calls[0]["function"])
+        elif calls:
             choice["delta"]["tool_calls"] = calls
 
     # --- logprobs --------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ CONTRACT = "test_contract_colocated::test_contract_case"
 STRUCTURED = "test_structured_outputs::test_response_format_json_schema_and_json_object"
 AGREE = "test_structured_outputs::test_structured_outputs_and_the_guided_fields_agree"
 BEAMS = "test_beam_search::test_completions_beams_are_transformers_beam_search"
+LEGACY = "test_tools::test_legacy_functions_come_back_as_one_function_call_streamed_and_not"
 TOOLS = "test_tools::test_auto_tool_calls_come_back_as_tool_calls_streamed_and_not"
 # field -> the tests that show what it does ("module::test" under tests/api)
 BEHAVIOUR = {
@@ -126,6 +127,9 @@ BEHAVIOUR = {
                     "test_tools::test_required_tool_calls_keep_to_the_tools_schemas",
                     "test_tools::test_tool_choice_none_shows_no_tools_and_parses_nothing"],
     "tools": [TOOLS],
+    "functions": [LEGACY, "test_tools::test_a_forced_legacy_function_call_keeps_to_its_schema"],
+    "function_call": [LEGACY, "test_tools::test_a_forced_legacy_function_call_keeps_to_its_schema"],
+    "messages.function_call": ["test_tools::test_a_legacy_conversation_reaches_the_template_as_tool_calls_and_answers"],
     "chat_template": ["test_fields::test_a_requests_own_chat_template_only_where_the_server_trusts_it"],
     "documents": ["test_fields::test_documents_and_reasoning_effort_reach_a_template_that_reads_them"],
     "reasoning_effort": ["test_fields::test_documents_and_reasoning_effort_reach_a_template_that_reads_them"],
@@ -148,7 +152,6 @@ NO_EFFECT = {
 REFUSED_VALUES = {
     "logprob_token_ids": [5],
     "kv_transfer_params": {"x": 1}, "vllm_xargs": {"x": 1}, "suffix": "tail", "store": True,
-    "functions": [{"name": "f"}], "function_call": "auto",
     "audio": {"voice": "x"}, "prediction": {"type": "content", "content": "x"}, "web_search_options": {},
 }
 MODELS = {"completions": CompletionRequest, "chat": ChatCompletionRequest}

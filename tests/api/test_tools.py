@@ -109,7 +109,55 @@ def test_required_tool_calls_keep_to_the_tools_schemas(server):
     assert choice["message"]["content"].startswith('[{"name": "get_weather"')
 
 
+def legacy(server, stream=False, **body) -> httpx.Response:
+    functions = [WEATHER["function"], TIME["function"]]
+    return chat(server, tools=None, functions=functions, stream=stream, **body)
+
+
+def test_legacy_functions_come_back_as_one_function_call_streamed_and_not(server):
+    choice = legacy(server).json()["choices"][0]
+    assert choice["finish_reason"] == "function_call" and choice["message"]["content"] == "Let me look."
+    assert "tool_calls" not in choice["message"]
+    call = choice["message"]["function_call"]
+    assert call["name"] == "get_weather" and json.loads(call["arguments"]) == {"city": "Paris", "unit": "c"}
+    deltas = [c["choices"][0] for c in sse_chunks(legacy(server, stream=True).text) if c["choices"]]
+    streamed_call = [d["delta"]["function_call"] for d in deltas if d["delta"].get("function_call")]
+    assert streamed_call == [call] and deltas[-1]["finish_reason"] == "function_call"
+    assert "".join(d["delta"].get("content") or "" for d in deltas) == "Let me look."
+    assert not any("tool_calls" in d["delta"] for d in deltas)
+
+
+def test_a_forced_legacy_function_call_keeps_to_its_schema(server):
+    choice = legacy(server, function_call={"name": "get_weather"}).json()["choices"][0]
+    call = choice["message"]["function_call"]
+    assert choice["finish_reason"] == "stop" and choice["message"]["content"] is None
+    assert call["name"] == "get_weather" and json.loads(call["arguments"])["unit"] in ("c", "f")
+    deltas = [c["choices"][0] for c in sse_chunks(legacy(server, stream=True, function_call={"name": "get_weather"})
+                                                  .text) if c["choices"]]
+    pieces = [d["delta"]["function_call"] for d in deltas if d["delta"].get("function_call")]
+    assert pieces[0]["name"] == "get_weather" and "".join(p["arguments"] for p in pieces) == call["arguments"]
+    assert legacy(server, function_call="none", max_tokens=4).json()["choices"][0]["message"] == {
+        "role": "assistant", "content": "aaaa"}
+
+
+def test_a_legacy_conversation_reaches_the_template_as_tool_calls_and_answers(tiny_model_dir):
+    tokenizer = Tokenizer(tiny_model_dir)
+    call = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    old = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "function_call": call},
+           {"role": "function", "name": "get_weather", "content": "sunny"}]
+    new = [{"role": "user", "content": "hi"},
+           {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": call}]},
+           {"role": "tool", "name": "get_weather", "content": "sunny"}]
+    as_text = [render_chat(tokenizer, [_message(m) for m in ms], True, False, None, [WEATHER]) for ms in (old, new)]
+    assert as_text[0] == as_text[1] and "<tool_response>\nsunny" in as_text[0] and '"city": "Paris"' in as_text[0]
+
+
 @pytest.mark.parametrize(("body", "param"), [
+    ({"tools": None, "functions": [{"name": "f"}], "function_call": "sometimes"}, "function_call"),
+    ({"tools": None, "function_call": "auto"}, "function_call"),
+    ({"tools": None, "functions": [{"description": "no name"}]}, "functions"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"tools": None, "functions": [{"name": "f"}], "tool_choice": "auto"}, "tool_choice"),
     ({"tools": [{"type": "function"}]}, "tools"),
     ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]}, "tools"),
