@@ -56,7 +56,7 @@ def num_alternatives(plan: BeamPlan, num_top_logprobs: int | None) -> int:
 
 
 async def beam_search(step: Step, prompt: tuple[int, ...], policy: StopPolicy, plan: BeamPlan,
-                 num_top_logprobs: int | None, new_stream: Callable[[], ChoiceStream] | None) -> list[Beam]:
+                      num_top_logprobs: int | None, new_stream: Callable[[], ChoiceStream] | None) -> list[Beam]:
     """The request's `plan.width` choices, best first. `new_stream` makes a fresh ChoiceStream of the
     request's (its stop strings): None when it has none."""
     live, finished = [Beam()], []

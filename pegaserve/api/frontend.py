@@ -53,7 +53,7 @@ class Job:
         request_id = self.response_id if len(self.prompts) == 1 else f"{self.response_id}-{p}"
         return EngineRequest(request_id, plan.prompt_token_ids, plan.sampling, plan.policy, n=self.n,
                              num_prompt_logprobs=plan.num_prompt_logprobs, cache_salt=plan.cache_salt,
-                             priority=plan.priority)
+                             priority=plan.priority, prediction=plan.prediction)
 
     def results(self) -> list[ChoiceResult]:
         return [ChoiceResult(p * self.n + j, plan.prompt_token_ids, plan.echo_text)
@@ -156,6 +156,7 @@ class Frontend:
         await self.ledger.record(run.arrivals(), "ingress")
         start = time.perf_counter()
         step_numbers = itertools.count(1)
+        alternatives = num_alternatives(job.beam, plan.sampling.num_top_logprobs)
         prompt_logprobs = None
 
         async def step(contexts: list[tuple[int, ...]]) -> list[SampledToken]:
@@ -172,7 +173,6 @@ class Frontend:
                 prompt_logprobs = outputs[0].prompt_logprobs
             return [output.tokens[0] for output in outputs]
 
-        alternatives = num_alternatives(job.beam, plan.sampling.num_top_logprobs)
         new_stream = run.new_stream if plan.stops.strings else None
         try:
             with _failing(run):

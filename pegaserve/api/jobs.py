@@ -83,11 +83,37 @@ def chat_job(frontend: Frontend, body: ChatCompletionRequest, header_id: str | N
     last = body.messages[-1]
     echo = message_text(last.content) if body.echo and last.role == role else ""  # vLLM's chat echo
     grammar = v.structured_output(body, tool_grammar)
+    beam = v.beam_search(body, grammar)
     plan = replace(v.plan_prompt(body, ids, frontend.model, frontend.limits, max_tokens, num_top,
-                                 bad_words=bad_words(frontend, body), grammar=grammar), echo_text=echo)
+                                 bad_words=bad_words(frontend, body), grammar=grammar), echo_text=echo,
+                   prediction=predicted_tokens(frontend, body, grammar is not None or beam is not None))
     response_id = new_response_id("chatcmpl")
     wire = _wire(frontend, body, Endpoint.CHAT, response_id, num_top, role=role, tools=tool_plan)
-    return _job(body, response_id, header_id, [plan], wire, v.beam_search(body, grammar))
+    return _job(body, response_id, header_id, [plan], wire, beam)
+
+
+def predicted_tokens(frontend: Frontend, body: ChatCompletionRequest, no_drafts: bool) -> tuple[int, ...]:
+    """OpenAI's predicted output as the token ids the engine drafts from (`spec.PredictionProposer`):
+    verified as any draft, it changes no greedy token and no sampled law, and saves steps where it
+    holds. `no_drafts`:
+    the request takes none (a grammar, beam search), so a prediction would do nothing: a 400."""
+    prediction = body.prediction
+    if prediction is None:
+        return ()
+    content = prediction.get("content") if isinstance(prediction, dict) else None
+    parts = content if isinstance(content, list) else []
+    if not isinstance(prediction, dict) or prediction.get("type") != "content" or not (
+            isinstance(content, str) or (parts and all(isinstance(p, dict) and p.get("type") == "text"
+                                                       and isinstance(p.get("text"), str) for p in parts))):
+        raise invalid("prediction", 'must be {"type": "content", "content": <text, or a list of text parts>}')
+    if no_drafts:
+        raise invalid("prediction", "not with a structured output, a tool choice that needs a grammar or beam "
+                                    "search: they take no drafts")
+    text = content if isinstance(content, str) else "".join(p["text"] for p in parts)
+    ids = encode(frontend.tokenizer, text, False)
+    if len(ids) > frontend.model.max_model_len:
+        raise invalid("prediction", f"has {len(ids)} tokens, more than the context of {frontend.model.max_model_len}")
+    return tuple(ids)
 
 
 def _job(body: SamplingFields, response_id: str, header_id: str | None, plans: list, wire: Wire,

@@ -132,15 +132,15 @@ class ChatCompletionRequest(SamplingFields):
     reasoning_effort: ReasoningEffort | None = None
     functions: list[JsonValue] | None = None  # OpenAI's legacy tools (pegaserve/api/tools.py, legacy_tools)
     function_call: JsonValue = None  # and tool_choice: "none", "auto" or {"name": ...}
+    prediction: JsonValue = None  # OpenAI's predicted output, {"type": "content", "content"}: drafts (jobs.py)
     # Refused unless at their defaults (`REFUSED`):
     audio: JsonValue = None
-    prediction: JsonValue = None
     web_search_options: JsonValue = None
 
 
 REFUSED_SHARED = ("logprob_token_ids", "kv_transfer_params", "vllm_xargs")
 REFUSED_COMPLETION = (*REFUSED_SHARED, "suffix")
-REFUSED_CHAT = (*REFUSED_SHARED, "store", "audio", "prediction", "web_search_options")
+REFUSED_CHAT = (*REFUSED_SHARED, "store", "audio", "web_search_options")
 
 
 class TokenizeRequest(Body):

@@ -60,6 +60,7 @@ class PromptPlan:
     echo_text: str = ""  # shown before each choice's text (echo)
     cache_salt: str | None = None  # EngineRequest.cache_salt
     priority: int = 0  # EngineRequest.priority
+    prediction: tuple[int, ...] = ()  # EngineRequest.prediction
 
 
 def check_model(model: str | None, info: ModelInfo) -> None:

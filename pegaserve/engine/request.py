@@ -62,7 +62,8 @@ class EngineRequest:
     score the prompt's tokens (None: no prompt logprobs; k: the top-k alternatives of each too).
     `cache_salt` keeps its blocks apart in the prefix cache: they are shared only with requests of
     the same salt (`block_pool.salt_root`). `priority` orders it under the priority scheduling
-    policy (lower first; `EngineConfig.scheduling_policy`).
+    policy (lower first; `EngineConfig.scheduling_policy`). `prediction` is what its output is
+    expected to be (OpenAI's predicted outputs): drafts, verified as any (`spec.PredictionProposer`).
     """
 
     request_id: str
@@ -73,6 +74,7 @@ class EngineRequest:
     num_prompt_logprobs: int | None = None
     cache_salt: str | None = None
     priority: int = 0
+    prediction: tuple[int, ...] = ()
     arrival_s: float = field(default_factory=time.time)
 
     @property

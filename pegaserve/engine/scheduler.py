@@ -26,7 +26,7 @@ from pegaserve.engine.request import (EngineRequest, Handoff, ParkedKv, RequestS
                                       StepOutput)
 from pegaserve.engine.scheduled_request import scheduled_request
 from pegaserve.engine.scheduler_output import RunnerOutput, ScheduledRequest, SchedulerOutput
-from pegaserve.engine.spec import Proposer
+from pegaserve.engine.spec import PredictionProposer, Proposer
 from pegaserve.stop import Abort, Error, Length, StopCause
 
 
@@ -96,6 +96,7 @@ class Scheduler:
         self.block_size = kv.block_size
         self.max_model_len = max_model_len
         self.proposer = proposer
+        self.predictions = PredictionProposer()  # drafts from the requests' predicted outputs
         self.by_priority = config.scheduling_policy == "priority"
         self.waiting: deque[RequestState] | RankedQueue = RankedQueue() if self.by_priority else deque()
         self.running: list[RequestState] = []  # by rank under the priority policy
@@ -365,8 +366,8 @@ class Scheduler:
             self.kv.name_full_blocks(request)
             if self.config.role is Role.PREFILL:
                 parked = self._park(request)
-            elif self.proposer is not None and request.sampling.grammar is None:  # no drafts under a grammar
-                self._propose(request)
+            elif (self.proposer is not None or request.spec.prediction) and request.sampling.grammar is None:
+                self._propose(request)  # no drafts under a grammar
         return StepOutput(request.request_id, tuple(kept), cause, prompt_logprobs, parked)
 
     def _score_only(self, lead: RequestState) -> list[StepOutput]:
@@ -379,8 +380,15 @@ class Scheduler:
         return outputs
 
     def _propose(self, request: RequestState) -> None:
+        """Drafts from the request's predicted output, else from the proposer (speculative decoding)."""
         room = min(request.policy.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
-        request.draft_token_ids = self.proposer.propose(request.request_id, request.all_token_ids(), room)
+        drafts = ()
+        if request.spec.prediction:
+            drafts = self.predictions.propose(request.request_id, request.spec.prediction, request.output_token_ids,
+                                              room)
+        if not drafts and self.proposer is not None:
+            drafts = self.proposer.propose(request.request_id, request.all_token_ids(), room)
+        request.draft_token_ids = drafts
 
     def _park(self, request: RequestState) -> ParkedKv:
         request.set_status(Status.PARKED)
@@ -402,6 +410,7 @@ class Scheduler:
         self._forget_id(request)
         if self.proposer is not None:
             self.proposer.forget(request.request_id)
+        self.predictions.forget(request.request_id)
         self.kv.forget(request)
         request.set_status(Status.FINISHED)
 

@@ -61,5 +61,56 @@ class NgramProposer(Proposer):
         self._index.pop(request_id, None)
 
 
+PREDICTION_DRAFTS = 8  # drafts per step from a predicted output: a long match is its point
+PREDICTION_GRAMS = (3, 2)  # n-grams of the output that find its place in the prediction again
+
+
+class PredictionProposer:
+    """OpenAI's predicted outputs: drafts from the tokens a request predicts its output will be
+    (`EngineRequest.prediction`), verified as any draft (greedy output is what it would have been;
+    sampled output keeps its law: sampler.py).
+
+    The proposer follows the prediction while the output does: after each token that is the
+    prediction's next, it proposes what comes after it. Where the output departs, it finds its place
+    again from the output's last 3 (else 2) tokens: their first occurrence in the prediction after
+    the place it lost (else anywhere); until then it proposes nothing.
+    """
+
+    def __init__(self, max_drafts: int = PREDICTION_DRAFTS) -> None:
+        self.max_drafts = max_drafts
+        self._places: dict[str, list] = {}  # request id -> [place in the prediction or None, tokens read]
+        self._grams: dict[str, dict[tuple[int, ...], list[int]]] = {}  # request id -> n-gram -> its ends
+
+    def propose(self, request_id: str, prediction: Sequence[int], output: Sequence[int],
+                max_drafts: int) -> tuple[int, ...]:
+        place, num_read = self._places.setdefault(request_id, [0, 0])
+        for i in range(num_read, len(output)):
+            if place is not None and place < len(prediction) and prediction[place] == output[i]:
+                place += 1
+            else:
+                place = self._find(request_id, prediction, output[: i + 1], place)
+        self._places[request_id] = [place, len(output)]
+        if place is None or max_drafts <= 0:
+            return ()
+        return tuple(prediction[place : place + min(max_drafts, self.max_drafts)])
+
+    def _find(self, request_id: str, prediction: Sequence[int], output: Sequence[int], lost: int | None) -> int | None:
+        grams = self._grams.get(request_id)
+        if grams is None:
+            grams = self._grams[request_id] = {}
+            for n in PREDICTION_GRAMS:
+                for end in range(n, len(prediction) + 1):
+                    grams.setdefault(tuple(prediction[end - n : end]), []).append(end)
+        for n in PREDICTION_GRAMS:
+            ends = grams.get(tuple(output[-n:])) if len(output) >= n else None
+            if ends:
+                return next((end for end in ends if lost is None or end >= lost), ends[0])
+        return None
+
+    def forget(self, request_id: str) -> None:
+        self._places.pop(request_id, None)
+        self._grams.pop(request_id, None)
+
+
 def make_proposer(config: SpeculativeConfig | None) -> Proposer | None:
     return None if config is None else NgramProposer(config)

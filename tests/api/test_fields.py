@@ -14,10 +14,12 @@ import pytest
 from pydantic import BaseModel
 
 from pegaserve.api.app import build_app
+from pegaserve.api.jobs import render_chat
 from pegaserve.api.validation import Limits
 from pegaserve.engine.engine import EngineConfig
 from pegaserve.standalone import build_local_frontend
 from pegaserve.testing.scripted import scripted_engine
+from pegaserve.tokenizer import Tokenizer
 from pegaserve.api.protocol import (
     REFUSED_CHAT,
     REFUSED_COMPLETION,
@@ -107,6 +109,7 @@ BEHAVIOUR = {
     "guided_grammar": [AGREE],
     "cache_salt": ["test_fields::test_cache_salt_keeps_cached_prompts_apart"],
     "priority": ["test_fields::test_priority_reaches_the_engine_only_under_the_priority_policy"],
+    "prediction": ["test_fields::test_a_predicted_output_changes_no_greedy_token_and_bad_ones_are_a_400"],
     "use_beam_search": [BEAMS, "test_beam_search::test_the_best_beam_can_start_with_a_token_greedy_would_not_pick"],
     "length_penalty": ["test_beam_search::test_eos_ends_a_beam_and_the_length_penalty_weighs_it_against_longer_ones"],
     "allowed_token_ids": ["test_fields::test_allowed_token_ids_are_the_only_tokens_sampled"],
@@ -152,7 +155,7 @@ NO_EFFECT = {
 REFUSED_VALUES = {
     "logprob_token_ids": [5],
     "kv_transfer_params": {"x": 1}, "vllm_xargs": {"x": 1}, "suffix": "tail", "store": True,
-    "audio": {"voice": "x"}, "prediction": {"type": "content", "content": "x"}, "web_search_options": {},
+    "audio": {"voice": "x"}, "web_search_options": {},
 }
 MODELS = {"completions": CompletionRequest, "chat": ChatCompletionRequest}
 NESTED = {"stream_options": StreamOptions, "response_format": ResponseFormat, "messages": ChatMessage}
@@ -343,9 +346,37 @@ def test_priority_reaches_the_engine_only_under_the_priority_policy(server, tiny
     assert seen == [-3, 7]
 
 
-def test_add_special_tokens_is_the_tokenizers(server, tiny_model_dir):
-    from pegaserve.tokenizer import Tokenizer
+def test_a_predicted_output_changes_no_greedy_token_and_bad_ones_are_a_400(tiny_model_dir):
+    tokenizer = Tokenizer(tiny_model_dir)
+    text = " the quick brown fox jumps over the lazy dog, and over the lazy dog again"
+    answer = tokenizer.backend.encode(text, add_special_tokens=False).ids
+    messages = [{"role": "user", "content": "hi"}]
+    prompt = tokenizer.backend.encode(render_chat(tokenizer, [ChatMessage(**m) for m in messages], True, False, None),
+                                      add_special_tokens=False).ids
+    engine = scripted_engine(tiny_model_dir, {tuple(prompt): answer})
+    chat = {"messages": messages, "max_tokens": len(answer), "return_token_ids": True, "temperature": 0}
+    with ThreadedServer(build_app(build_local_frontend(engine=engine))) as running:
+        def ask(**body) -> httpx.Response:
+            return httpx.post(f"{running.base_url}/v1/chat/completions", json={**chat, **body})
 
+        plain = ask().json()["choices"][0]
+        assert plain["token_ids"] == answer
+        half = len(text) // 2
+        for content in (text, [{"type": "text", "text": text[:half]}, {"type": "text", "text": text[half:]}]):
+            before = engine.scheduler.spec_stats.num_accepted_tokens
+            predicted = ask(prediction={"type": "content", "content": content}).json()["choices"][0]
+            assert predicted["token_ids"] == plain["token_ids"] and predicted["message"] == plain["message"]
+            assert engine.scheduler.spec_stats.num_accepted_tokens - before >= len(answer) // 2  # drafts taken
+        for bad in ({"type": "content"}, {"type": "diff", "content": "a"}, "aaa",
+                    {"type": "content", "content": [{"type": "image_url"}]}):
+            refused = ask(prediction=bad)
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "prediction", bad
+        for beside in ({"guided_choice": ["a"]}, {"use_beam_search": True}):
+            refused = ask(prediction={"type": "content", "content": "a"}, **beside)
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "prediction", beside
+
+
+def test_add_special_tokens_is_the_tokenizers(server, tiny_model_dir):
     tokenizer = Tokenizer(tiny_model_dir)
     for flag in (True, False):
         body = post(server, "completions", prompt="Hello there", add_special_tokens=flag, return_token_ids=True).json()

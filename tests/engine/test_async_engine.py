@@ -110,8 +110,10 @@ def test_a_failing_step_fails_its_requests_only(tiny_model_dir):
         wrapper = FailsOnce(inner.runner.model)
         inner.runner.model = wrapper
         engine = AsyncEngine.in_thread(inner)
-        first = asyncio.ensure_future(collect(engine, greedy_request("doomed", [1, 2, 3], 200)))
-        await asyncio.sleep(0.05)
+        # armed once the request runs, which its 480 tokens (of the 512 its blocks hold) keep it doing
+        # for far longer than the wait (200 scripted tokens took under 50 ms on a fast host)
+        first = asyncio.ensure_future(collect(engine, greedy_request("doomed", [1, 2, 3], 480)))
+        await asyncio.sleep(0.01)
         wrapper.armed = True
         outputs = await first
         assert isinstance(outputs[-1].finish, Error)
