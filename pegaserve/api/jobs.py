@@ -39,7 +39,7 @@ def completion_job(frontend: Frontend, body: CompletionRequest, header_id: str |
     v.check_refused(body, REFUSED_COMPLETION)
     prompts = _split_prompts(body.prompt)
     v.check_common(body, len(prompts), frontend.limits)
-    num_top = v.check_completion(body, frontend.limits)
+    num_top, listed = v.listed_logprobs(body, frontend.model, v.check_completion(body, frontend.limits), body.echo)
     banned, grammar = bad_words(frontend, body), v.structured_output(body)
     plans = []
     for prompt in prompts:
@@ -51,7 +51,7 @@ def completion_job(frontend: Frontend, body: CompletionRequest, header_id: str |
                 else frontend.tokenizer.decode(list(ids), skip_special_tokens=False)
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         plans.append(v.plan_prompt(body, ids, frontend.model, frontend.limits, (max_tokens, "max_tokens"), num_top, echo,
-                                   bad_words=banned, grammar=grammar))
+                                   bad_words=banned, grammar=grammar, logprob_token_ids=listed))
     response_id = new_response_id("cmpl")
     wire = _wire(frontend, body, Endpoint.COMPLETIONS, response_id, num_top, echo=body.echo)
     return _job(body, response_id, header_id, plans, wire, v.beam_search(body, grammar))
@@ -64,7 +64,7 @@ def chat_job(frontend: Frontend, body: ChatCompletionRequest, header_id: str | N
     v.check_model(body.model, frontend.model)
     v.check_refused(body, REFUSED_CHAT)
     v.check_common(body, 1, frontend.limits)
-    num_top = v.check_chat(body, frontend.limits)
+    num_top, listed = v.listed_logprobs(body, frontend.model, v.check_chat(body, frontend.limits))
     asked_tools, legacy_choice, legacy = legacy_tools(body.functions, body.function_call, body.tools)
     tools, tool_plan, tool_grammar = plan_tools(asked_tools, legacy_choice if legacy else body.tool_choice,
                                                 body.parallel_tool_calls and not legacy)
@@ -85,7 +85,8 @@ def chat_job(frontend: Frontend, body: ChatCompletionRequest, header_id: str | N
     grammar = v.structured_output(body, tool_grammar)
     beam = v.beam_search(body, grammar)
     plan = replace(v.plan_prompt(body, ids, frontend.model, frontend.limits, max_tokens, num_top,
-                                 bad_words=bad_words(frontend, body), grammar=grammar), echo_text=echo,
+                                 bad_words=bad_words(frontend, body), grammar=grammar, logprob_token_ids=listed),
+                   echo_text=echo,
                    prediction=predicted_tokens(frontend, body, grammar is not None or beam is not None))
     response_id = new_response_id("chatcmpl")
     wire = _wire(frontend, body, Endpoint.CHAT, response_id, num_top, role=role, tools=tool_plan)

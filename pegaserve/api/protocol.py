@@ -86,8 +86,8 @@ class SamplingFields(Body):
     use_beam_search: StrictBool = False  # vLLM's: the choices are the n best beams (pegaserve/api/beam.py)
     length_penalty: float = 1.0  # beam search's: a beam's score is cum_logprob / length ** length_penalty
     priority: StrictInt = 0  # vLLM's: lower runs first, under the priority scheduling policy only
+    logprob_token_ids: list[StrictInt] | None = None  # vLLM's: these ids' logprobs instead of the top-N
     # Refused unless at their defaults (`REFUSED`):
-    logprob_token_ids: list[StrictInt] | None = None
     kv_transfer_params: JsonValue = None
     vllm_xargs: JsonValue = None
 
@@ -138,7 +138,7 @@ class ChatCompletionRequest(SamplingFields):
     web_search_options: JsonValue = None
 
 
-REFUSED_SHARED = ("logprob_token_ids", "kv_transfer_params", "vllm_xargs")
+REFUSED_SHARED = ("kv_transfer_params", "vllm_xargs")
 REFUSED_COMPLETION = (*REFUSED_SHARED, "suffix")
 REFUSED_CHAT = (*REFUSED_SHARED, "store", "audio", "web_search_options")
 

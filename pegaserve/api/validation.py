@@ -79,7 +79,7 @@ def check_refused(body: SamplingFields, names: tuple[str, ...], why: str = "is n
 
 # What beam search has no use for: it ranks beams by the model's raw logprobs, and takes no mask
 _NOT_WITH_BEAMS = ("top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                   "allowed_token_ids", "bad_words", "min_tokens", "prompt_logprobs")
+                   "allowed_token_ids", "bad_words", "min_tokens", "prompt_logprobs", "logprob_token_ids")
 
 
 def beam_search(body: SamplingFields, grammar: GrammarSpec | None) -> BeamPlan | None:
@@ -152,6 +152,32 @@ def check_chat(body: ChatCompletionRequest, limits: Limits) -> int | None:
     return (body.top_logprobs or 0) if body.logprobs else None
 
 
+MAX_LOGPROB_TOKEN_IDS = 128  # vLLM's bound
+
+
+def listed_logprobs(body: SamplingFields, model: ModelInfo, num_top: int | None,
+                    echo: bool = False) -> tuple[int | None, tuple[int, ...] | None]:
+    """vLLM's `logprob_token_ids`: each generated token's alternatives are these ids' logprobs, in
+    their order, instead of the top-N. Returns the logprobs' count and the ids (None: the top-N)."""
+    ids = body.logprob_token_ids
+    if not ids:
+        return num_top, None
+    if num_top is None:
+        raise invalid("logprob_token_ids", "needs logprobs (chat: logprobs true)")
+    if num_top:
+        raise invalid("logprob_token_ids", "lists the alternatives itself: not with a top-N (logprobs 0; chat: no "
+                                           "top_logprobs)")
+    if echo:
+        raise invalid("logprob_token_ids", "not with echo (its prompt tokens show the top-N)")
+    if len(ids) > MAX_LOGPROB_TOKEN_IDS:
+        raise invalid("logprob_token_ids", f"at most {MAX_LOGPROB_TOKEN_IDS} ids, got {len(ids)}")
+    bad = next((i for i in ids if not 0 <= i < model.vocab_size), None)
+    if bad is not None:
+        raise invalid("logprob_token_ids", f"token id {bad} is outside the vocabulary [0, {model.vocab_size})")
+    listed = tuple(dict.fromkeys(ids))
+    return len(listed), listed
+
+
 def check_prompt_ids(ids: list[int], body: SamplingFields, model: ModelInfo, param: str,
                      limits: Limits) -> tuple[int, ...]:
     bad = next((i for i in ids if not 0 <= i < model.vocab_size), None)
@@ -179,12 +205,14 @@ def plan_prompt(
     echo_text: str | None = None,
     bad_words: tuple[tuple[int, ...], ...] = (),
     grammar: GrammarSpec | None = None,
+    logprob_token_ids: tuple[int, ...] | None = None,
 ) -> PromptPlan:
     """`max_tokens` is (value, the parameter that gave it); `echo_text` is None without echo, and
     with it `max_tokens=0` only scores the prompt; `bad_words` (`jobs.bad_words`) and `grammar`
     (`structured_output`) are the request's, found once for all its prompts."""
     policy = _policy(body, prompt_ids, model, limits, *max_tokens, echo=echo_text is not None)
-    sampling = _sampling(body, num_top_logprobs, model, limits, bad_words, grammar)
+    sampling = replace(_sampling(body, num_top_logprobs, model, limits, bad_words, grammar),
+                       logprob_token_ids=logprob_token_ids)
     if sampling.allowed_token_ids is not None and sampling.allowed_token_ids <= policy.masked_token_ids(0):
         raise invalid("allowed_token_ids", "every allowed token is one that min_tokens holds back")
     num_prompt_logprobs = body.prompt_logprobs

@@ -41,6 +41,8 @@ class SamplingParams:
     # vLLM's bad_words, as token sequences: each one's last token is masked where the output ends with the rest
     bad_words: tuple[tuple[int, ...], ...] = ()
     grammar: GrammarSpec | None = None  # structured outputs (pegaserve/engine/grammar.py)
+    # vLLM's: each token's alternatives are these ids' logprobs instead of the top-N (num_top_logprobs = their count)
+    logprob_token_ids: tuple[int, ...] | None = None
 
     @property
     def greedy(self) -> bool:

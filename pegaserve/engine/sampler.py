@@ -128,7 +128,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledTok
         index = torch.tensor(plan.edited)
         token_ids[index] = _sample_edited(logits.index_select(0, index), [rows[i] for i in plan.edited], plan)
     logprobs = (logits.gather(1, token_ids[:, None])[:, 0] - normalizers).tolist()
-    tops = _top_logprobs(logits, normalizers, [row.params.num_top_logprobs or 0 for row in rows])
+    tops = alternatives(logits, normalizers, rows)
     return [SampledToken(t, lp if row.wants_logprob else None, top)
             for t, lp, top, row in zip(token_ids.tolist(), logprobs, tops, rows)]
 
@@ -156,6 +156,21 @@ def score_tokens(logits: torch.Tensor, target_ids: Sequence[int], num_top: int) 
         tops = _top_logprobs(part, normalizers, [num_top] * part.shape[0])
         scores += map(TokenScore, targets[:, 0].tolist(), logprobs, ranks, tops)
     return scores
+
+
+def alternatives(logits: torch.Tensor, normalizers: torch.Tensor, rows: Sequence[SamplingRow],
+                 top_logprobs=None) -> list[tuple[tuple[int, float], ...]]:
+    """Each row's alternatives with their raw logprobs: its `num_top_logprobs` best tokens, best
+    first (`top_logprobs(logits, normalizers, counts)`, this module's by default), or the logprobs
+    of its `logprob_token_ids`, in their order."""
+    listed = [row.params.logprob_token_ids for row in rows]
+    tops = (top_logprobs or _top_logprobs)(logits, normalizers, [0 if ids else row.params.num_top_logprobs or 0
+                                                                for row, ids in zip(rows, listed)])
+    for i, ids in enumerate(listed):
+        if ids:
+            values = (logits[i, list(ids)] - normalizers[i]).tolist()
+            tops[i] = tuple(zip(ids, values))
+    return tops
 
 
 def _top_logprobs(

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch
 
 from pegaserve.engine.request import SampledToken
-from pegaserve.engine.sampler import SamplingRow, TokenScore, _filters, sample, score_tokens
+from pegaserve.engine.sampler import SamplingRow, TokenScore, _filters, alternatives, sample, score_tokens
 from pegaserve.engine.sampling_draw import _search, _uniform
 from pegaserve.engine.sampling_filters import _scale
 from pegaserve.engine.sampling_passes import _finite, _weights
@@ -94,7 +94,7 @@ def _sample_plain(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[Sam
     chosen = logits.gather(1, token_ids[:, None])[:, 0] - normalizers
     # one transfer for both: token ids are exact in float64
     pairs = torch.stack((token_ids.double(), chosen.double()), 1).tolist()
-    tops = _top_logprobs(logits, normalizers, [row.params.num_top_logprobs or 0 for row in rows])
+    tops = alternatives(logits, normalizers, rows, _top_logprobs)
     return [SampledToken(int(t), lp if row.wants_logprob else None, top)
             for (t, lp), top, row in zip(pairs, tops, rows)]
 

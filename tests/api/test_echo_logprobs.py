@@ -195,3 +195,48 @@ def test_every_generated_token_carries_its_logprob_when_asked(server, hf, path):
         logits = hf(input_ids=torch.tensor([prompt + choice["token_ids"]])).logits[0].double()
     expected = torch.log_softmax(logits, -1)[len(prompt) - 1 : -1].gather(1, torch.tensor(choice["token_ids"])[:, None])
     assert len(logprobs) == 6 and logprobs == pytest.approx(expected[:, 0].tolist(), **CLOSE)
+
+
+LISTED = [13, 11, 9707, 151645]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_logprob_token_ids_are_exactly_those_tokens_logprobs(server, hf, path):
+    # vLLM's logprob_token_ids: each generated token's alternatives are the listed ids' logprobs, in
+    # their order, with the chosen token's own (completions: beside them, as its top-N)
+    chat = path.endswith("chat/completions")
+    asked = {"messages": [{"role": "user", "content": "hello"}], "logprobs": True} if chat else \
+        {"prompt": PROMPT, "logprobs": 0}
+    body = post(server, path, max_tokens=4, ignore_eos=True, temperature=0, return_token_ids=True,
+                logprob_token_ids=LISTED, **asked).json()
+    (choice,) = body["choices"]
+    prompt = body["prompt_token_ids"] if chat else PROMPT
+    with torch.inference_mode():
+        logits = hf(input_ids=torch.tensor([prompt + choice["token_ids"]])).logits[0].double()
+    expected = torch.log_softmax(logits, -1)[len(prompt) - 1 : -1]
+    names = [server_decode(server, [i]) for i in LISTED]
+    for position, token_id in enumerate(choice["token_ids"]):
+        want = expected[position, LISTED].tolist()
+        if chat:
+            entry = choice["logprobs"]["content"][position]
+            assert [e["token"] for e in entry["top_logprobs"]] == names
+            assert [e["logprob"] for e in entry["top_logprobs"]] == pytest.approx(want, **CLOSE)
+        else:
+            top = choice["logprobs"]["top_logprobs"][position]
+            chosen = server_decode(server, [token_id])
+            assert set(top) == set(names) | {chosen}
+            assert [top[name] for name in names] == pytest.approx(want, **CLOSE)
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({"logprobs": None}, "needs logprobs"),
+    ({"logprobs": 2}, "top-N"),
+    ({"logprobs": 0, "echo": True}, "echo"),
+    ({"logprobs": 0, "logprob_token_ids": [10**7]}, "outside the vocabulary"),
+    ({"logprobs": 0, "logprob_token_ids": list(range(129))}, "at most 128"),
+    ({"logprobs": 0, "use_beam_search": True, "n": 2}, "use_beam_search"),
+])
+def test_bad_logprob_token_ids_are_a_400(server, body, message):
+    response = post(server, prompt=PROMPT, max_tokens=2, **{"logprob_token_ids": LISTED, **body})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "logprob_token_ids" and message in error["message"]

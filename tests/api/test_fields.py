@@ -89,6 +89,7 @@ BEHAVIOUR = {
     ],
     "logprobs": [CONTRACT, "test_echo_logprobs::test_echo_with_logprobs_shows_the_prompt_scored_by_the_reference"],
     "top_logprobs": [CONTRACT],
+    "logprob_token_ids": ["test_echo_logprobs::test_logprob_token_ids_are_exactly_those_tokens_logprobs"],
     "prompt_logprobs": [
         "test_echo_logprobs::test_prompt_logprobs_in_vllms_shape",
         "test_echo_logprobs::test_chat_prompt_logprobs_are_top_level",
@@ -153,7 +154,6 @@ NO_EFFECT = {
 }
 # refused unless at the default: (field, a non-default value)
 REFUSED_VALUES = {
-    "logprob_token_ids": [5],
     "kv_transfer_params": {"x": 1}, "vllm_xargs": {"x": 1}, "suffix": "tail", "store": True,
     "audio": {"voice": "x"}, "web_search_options": {},
 }

@@ -175,6 +175,20 @@ def test_top_logprobs_find_the_best_tokens_in_any_cell_the_short_last_one_includ
         assert [lp for _, lp in token.top_logprobs] == pytest.approx(values.tolist(), abs=1e-4)
 
 
+def test_listed_logprob_token_ids_replace_the_top_n_and_change_no_token():
+    logits = random_logits(2, vocab=151936, scale=4.0, seed=5)
+    expected = torch.log_softmax(logits.double(), dim=-1)
+    listed = (151935, 7, 4096, 0)
+    greedy, drawn = sample(logits, [row(temperature=0.0, num_top_logprobs=4, logprob_token_ids=listed),
+                                    row(temperature=1.0, seed=9, num_top_logprobs=4, logprob_token_ids=listed)])
+    for i, token in enumerate((greedy, drawn)):
+        assert [t for t, _ in token.top_logprobs] == list(listed)  # in the order asked, not best first
+        assert [lp for _, lp in token.top_logprobs] == pytest.approx(expected[i, list(listed)].tolist(), abs=1e-4)
+    assert greedy.token_id == int(logits[0].argmax())
+    (unlisted,) = sample(logits[1:].contiguous(), [row(temperature=1.0, seed=9, num_top_logprobs=4)])
+    assert drawn.token_id == unlisted.token_id  # the same draw whichever alternatives are listed
+
+
 def test_logprobs_hold_over_a_wide_logit_range():
     # the tiny model's logits span about -90..90; exp() of their differences overflows fp32
     logits = random_logits(4, vocab=151936, scale=40.0, seed=6)

@@ -31,7 +31,9 @@ def split(logits: torch.Tensor, rows, device: str):
 def test_greedy_rows_take_the_argmax_with_the_raw_logprobs(device):
     logits = random_logits(8, vocab=5000)
     rows = [row(temperature=0.0, num_top_logprobs=n) for n in (0, 1, 3, 5, 0, 2, 0, 20)]
+    rows[4] = row(temperature=0.0, num_top_logprobs=3, logprob_token_ids=(4999, 3, 17))  # listed, not the best
     got, want = split(logits, rows, device), sample(logits, rows)
+    assert [i for i, _ in got[4].top_logprobs] == [4999, 3, 17]
     assert [t.token_id for t in got] == [t.token_id for t in want] == logits.argmax(-1).tolist()
     for g, w in zip(got, want):
         assert g.logprob == pytest.approx(w.logprob, abs=1e-4)
