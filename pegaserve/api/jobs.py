@@ -14,7 +14,7 @@ from pegaserve.api import validation as v
 from pegaserve.api.beam import BeamPlan
 from pegaserve.api.errors import invalid
 from pegaserve.api.frontend import Frontend, Job, new_response_id, now_s
-from pegaserve.api.tools import ToolPlan, legacy_tools, plan_tools
+from pegaserve.api.tools import ToolPlan, chat_tools
 from pegaserve.api.protocol import (
     REFUSED_CHAT,
     REFUSED_COMPLETION,
@@ -65,13 +65,7 @@ def chat_job(frontend: Frontend, body: ChatCompletionRequest, header_id: str | N
     v.check_refused(body, REFUSED_CHAT)
     v.check_common(body, 1, frontend.limits)
     num_top, listed = v.listed_logprobs(body, frontend.model, v.check_chat(body, frontend.limits))
-    asked_tools, legacy_choice, legacy = legacy_tools(body.functions, body.function_call, body.tools)
-    tools, tool_plan, tool_grammar = plan_tools(asked_tools, legacy_choice if legacy else body.tool_choice,
-                                                body.parallel_tool_calls and not legacy)
-    if legacy and body.tool_choice is not None:
-        raise invalid("tool_choice", "not with functions: their choice is function_call")
-    if legacy and tool_plan is not None:
-        tool_plan = replace(tool_plan, legacy=True)
+    tools, tool_plan, tool_grammar = chat_tools(body)
     text = render_chat(frontend.tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,
                        body.chat_template_kwargs, tools, *template_fields(frontend, body))
     ids = v.check_prompt_ids(encode(frontend.tokenizer, text, body.add_special_tokens), body, frontend.model,
@@ -96,21 +90,20 @@ def chat_job(frontend: Frontend, body: ChatCompletionRequest, header_id: str | N
 def predicted_tokens(frontend: Frontend, body: ChatCompletionRequest, no_drafts: bool) -> tuple[int, ...]:
     """OpenAI's predicted output as the token ids the engine drafts from (`spec.PredictionProposer`):
     verified as any draft, it changes no greedy token and no sampled law, and saves steps where it
-    holds. `no_drafts`:
-    the request takes none (a grammar, beam search), so a prediction would do nothing: a 400."""
+    holds. `no_drafts`: the request takes none (a grammar, beam search), so a prediction would do
+    nothing: a 400."""
     prediction = body.prediction
     if prediction is None:
         return ()
-    content = prediction.get("content") if isinstance(prediction, dict) else None
-    parts = content if isinstance(content, list) else []
-    if not isinstance(prediction, dict) or prediction.get("type") != "content" or not (
-            isinstance(content, str) or (parts and all(isinstance(p, dict) and p.get("type") == "text"
-                                                       and isinstance(p.get("text"), str) for p in parts))):
+    text = prediction.get("content") if isinstance(prediction, dict) else None
+    if isinstance(text, list) and text and all(isinstance(p, dict) and p.get("type") == "text"
+                                               and isinstance(p.get("text"), str) for p in text):
+        text = "".join(p["text"] for p in text)
+    if not isinstance(prediction, dict) or prediction.get("type") != "content" or not isinstance(text, str):
         raise invalid("prediction", 'must be {"type": "content", "content": <text, or a list of text parts>}')
     if no_drafts:
         raise invalid("prediction", "not with a structured output, a tool choice that needs a grammar or beam "
                                     "search: they take no drafts")
-    text = content if isinstance(content, str) else "".join(p["text"] for p in parts)
     ids = encode(frontend.tokenizer, text, False)
     if len(ids) > frontend.model.max_model_len:
         raise invalid("prediction", f"has {len(ids)} tokens, more than the context of {frontend.model.max_model_len}")

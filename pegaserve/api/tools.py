@@ -11,7 +11,7 @@ as `tool_calls`, as vLLM's `hermes` parser reads the models that write them (Qwe
 - a named function: the output is that function's arguments, held to its schema; the finish `stop`.
 - `"none"` (the default without tools): the tools are not shown to the model, nothing is parsed.
 - OpenAI's legacy `functions` and `function_call` are tools and a tool choice of one call at most,
-  which comes back as `message.function_call` with the finish `function_call` (`legacy_tools`).
+  which comes back as `message.function_call` with the finish `function_call` (`chat_tools`).
 
 Streaming, a call goes out in one `tool_calls` delta when its block (auto) or the output (required)
 is whole, and a named function's arguments as they come; text that may open a block is held back
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pegaserve.api.errors import invalid
 from pegaserve.engine.grammar import GrammarSpec
@@ -82,14 +82,18 @@ def plan_tools(tools: list | None, tool_choice, parallel: bool) -> tuple[list | 
     return tools, ToolPlan("named", name=name), GrammarSpec("json_schema", json.dumps(_parameters(chosen)))
 
 
-def legacy_tools(functions: list | None, function_call, tools: list | None) -> tuple[list | None, object, bool]:
-    """OpenAI's legacy `functions` and `function_call` as tools and a tool choice; whether they were."""
+def chat_tools(body) -> tuple[list | None, ToolPlan | None, GrammarSpec | None]:
+    """`plan_tools` for a chat request: its `tools`, `tool_choice` and `parallel_tool_calls`, or
+    OpenAI's legacy `functions` and `function_call` (one call at most, answered as `function_call`)."""
+    functions, function_call = body.functions, body.function_call
     if functions is None:
         if function_call is not None:
             raise invalid("function_call", "needs functions")
-        return tools, None, False
-    if tools:
+        return plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+    if body.tools:
         raise invalid("functions", "give tools or functions (OpenAI's legacy form), not both")
+    if body.tool_choice is not None:
+        raise invalid("tool_choice", "not with functions: their choice is function_call")
     for i, function in enumerate(functions):
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
             raise invalid("functions", f"function {i} must be an object with a name")
@@ -99,7 +103,8 @@ def legacy_tools(functions: list | None, function_call, tools: list | None) -> t
         choice = {"type": "function", "function": {"name": function_call["name"]}}
     else:
         raise invalid("function_call", "must be 'none', 'auto' or {\"name\": ...}")
-    return [{"type": "function", "function": f} for f in functions], choice, True
+    tools, plan, grammar = plan_tools([{"type": "function", "function": f} for f in functions], choice, False)
+    return tools, None if plan is None else replace(plan, legacy=True), grammar
 
 
 def _function(index: int, tool) -> dict:
