@@ -130,7 +130,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None
     documents: list[dict[str, JsonValue]] | None = None
     reasoning_effort: ReasoningEffort | None = None
-    functions: list[JsonValue] | None = None  # OpenAI's legacy tools (pegaserve/api/tools.py, legacy_tools)
+    functions: list[JsonValue] | None = None  # OpenAI's legacy tools (pegaserve/api/tools.py, chat_tools)
     function_call: JsonValue = None  # and tool_choice: "none", "auto" or {"name": ...}
     prediction: JsonValue = None  # OpenAI's predicted output, {"type": "content", "content"}: drafts (jobs.py)
     # Refused unless at their defaults (`REFUSED`):
