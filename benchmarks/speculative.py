@@ -1,11 +1,14 @@
 """`make bench-spec`: n-gram speculative decoding on and off, the engine alone (one torch thread,
-as in a replica), greedy, EOS ignored.
+as in a replica), greedy, EOS ignored; and drafts from a request's predicted output (OpenAI's
+`prediction`) with speculation off.
 
 Two workloads. *Repetitive*: prompts whose greedy continuation repeats itself — the random-weight
 default model cannot be asked to copy, so a screening run (speculation off, deterministic) picks,
 from a pool of repeated-token prompts, the ones whose output an n-gram lookup predicts best: the
 workload speculation is for. *Random*: random prompts, whose output rarely repeats. For each, at
 batch 1 and batch 16: output tokens/s, tokens per request-step, drafts proposed and accepted.
+*Predicted*: the random prompts again, each with a prediction of its output — the output itself
+(right), or its first half followed by other tokens (half right) — against no prediction.
 Outputs are also checked equal with and without speculation (greedy must not change).
 
 Writes docs/bench/speculative.json and SPECULATIVE.md.
@@ -40,13 +43,15 @@ def engine(spec: SpeculativeConfig | None, batch: int):
     return load_engine(MODEL_DIR, EngineConfig(num_blocks=4096, max_num_seqs=batch, speculative=spec), "sdpa")
 
 
-def run(spec, prompts: list[list[int]], batch: int, new_tokens: int, repeats: int) -> dict:
+def run(spec, prompts: list[list[int]], batch: int, new_tokens: int, repeats: int,
+        predictions: list[tuple[int, ...]] | None = None) -> dict:
     best = None
     for _ in range(repeats + 1):  # the first is a warm-up
         e = engine(spec, batch)
         policy = StopPolicy(new_tokens, eos_token_ids=e.model_config.eos_token_ids, ignore_eos=True)
         for i, p in enumerate(prompts):
-            e.add_request(EngineRequest(f"r{i}", tuple(p), SamplingParams(temperature=0.0), policy))
+            e.add_request(EngineRequest(f"r{i}", tuple(p), SamplingParams(temperature=0.0), policy,
+                                        prediction=predictions[i] if predictions else ()))
         start = time.perf_counter()
         outputs = run_until_idle(e, 100_000)
         seconds = time.perf_counter() - start
@@ -100,23 +105,34 @@ def main() -> None:
     workloads = {"repetitive": repetitive_prompts(16, args.new_tokens),
                  "random": [[rng.randrange(100, 150_000) for _ in range(64)] for _ in range(16)]}
     rows = []
+
+    def row(name: str, batch: int, off: dict, on: dict) -> None:
+        rows.append({"workload": name, "batch": batch, "off_tok_s": off["tok_s"], "on_tok_s": on["tok_s"],
+                     "speedup": on["tok_s"] / off["tok_s"], "tokens_per_step": on["tokens_per_step"],
+                     "drafts": on["drafts"], "accepted": on["accepted"], "acceptance": on["acceptance"],
+                     "identical": on["tokens"] == off["tokens"]})
+        print(rows[-1], flush=True)
+
     for name, prompts in workloads.items():
         for batch in (1, 16):
             chosen = prompts[:batch] if batch == 1 else prompts
             off = run(None, chosen, batch, args.new_tokens, args.repeats)
-            on = run(SPEC, chosen, batch, args.new_tokens, args.repeats)
-            rows.append({"workload": name, "batch": batch, "off_tok_s": off["tok_s"], "on_tok_s": on["tok_s"],
-                         "speedup": on["tok_s"] / off["tok_s"], "tokens_per_step": on["tokens_per_step"],
-                         "drafts": on["drafts"], "accepted": on["accepted"], "acceptance": on["acceptance"],
-                         "identical": on["tokens"] == off["tokens"]})
-            print(rows[-1], flush=True)
+            row(name, batch, off, run(SPEC, chosen, batch, args.new_tokens, args.repeats))
+            if name == "random":  # the same prompts with a prediction of their output, speculation off
+                outputs = [tuple(off["tokens"][f"r{i}"]) for i in range(len(chosen))]
+                half = [(*o[: len(o) // 2], *range(7000, 7000 + len(o) - len(o) // 2)) for o in outputs]
+                for kind, predictions in (("right", outputs), ("half right", half)):
+                    row(f"predicted ({kind})", batch, off,
+                        run(None, chosen, batch, args.new_tokens, args.repeats, predictions))
     OUT.mkdir(parents=True, exist_ok=True)
     m = machine()
     (OUT / "speculative.json").write_text(json.dumps({"machine": m, "spec": vars(SPEC), "rows": rows}, indent=1))
-    lines = ["# n-gram speculative decoding, the engine alone", "",
-             f"`python -m benchmarks.speculative`: greedy, {args.new_tokens} tokens per request, EOS ignored, one torch "
-             f"thread, {SPEC.num_draft_tokens} drafts per step, n-grams {SPEC.prompt_lookup_min}-{SPEC.prompt_lookup_max}; "
-             f"best of {args.repeats} runs. Machine: {m['cpu_model']}, {m['nproc']} cores.", "",
+    lines = ["# n-gram speculative decoding and predicted outputs, the engine alone", "",
+             (f"`python -m benchmarks.speculative`: greedy, {args.new_tokens} tokens per request, EOS ignored, one "
+              f"torch thread, {SPEC.num_draft_tokens} drafts per step, n-grams {SPEC.prompt_lookup_min}-"
+              f"{SPEC.prompt_lookup_max}; best of {args.repeats} runs; *predicted* rows: speculation off, each request "
+              f"with a `prediction` of its output (up to 8 drafts a step), against none. Machine: {m['cpu_model']}, "
+              f"{m['nproc']} cores."), "",
              "| workload | batch | tok/s off | tok/s on | on/off | tokens per step | drafts | accepted | identical |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
