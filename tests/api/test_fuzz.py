@@ -64,6 +64,10 @@ COMMON = {
     "echo": field(st.booleans()),
     "truncate_prompt_tokens": field(st.integers(min_value=-2, max_value=6)),
     "response_format": field(st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])})),
+    "use_beam_search": field(st.booleans()),
+    "length_penalty": field(st.floats(min_value=-2, max_value=3)),
+    "priority": field(st.integers(min_value=-3, max_value=3)),
+    "logprob_token_ids": field(st.lists(TOKEN, max_size=4)),
 }
 COMPLETION = {**COMMON, "prompt": field(st.one_of(st.text(max_size=30), st.lists(TOKEN, max_size=12),
                                                   st.lists(st.lists(TOKEN, max_size=4), max_size=3))),
@@ -74,7 +78,15 @@ MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "ass
 CHAT = {**COMMON, "messages": field(st.lists(MESSAGE, max_size=3)), "logprobs": field(st.booleans()),
         "top_logprobs": field(st.integers(min_value=-2, max_value=25)),
         "max_completion_tokens": field(SMALL_INT), "tool_choice": field(st.sampled_from(["none", "auto", "required"])),
-        "service_tier": field(st.sampled_from(["auto", "flex"])), "store": field(st.booleans())}
+        "service_tier": field(st.sampled_from(["auto", "flex"])), "store": field(st.booleans()),
+        "prediction": field(st.fixed_dictionaries({"type": st.sampled_from(["content", "diff"]),
+                                                   "content": st.one_of(st.text(max_size=20), JSONISH)})),
+        "functions": field(st.lists(st.fixed_dictionaries({"name": st.text(max_size=6)}), max_size=2)),
+        "function_call": field(st.one_of(st.sampled_from(["none", "auto"]),
+                                         st.fixed_dictionaries({"name": st.text(max_size=6)}))),
+        "documents": field(st.lists(st.dictionaries(st.text(max_size=5), st.text(max_size=5)), max_size=2)),
+        "reasoning_effort": field(st.sampled_from(["low", "high", "extreme"])),
+        "chat_template": field(st.text(max_size=30))}
 
 
 def bodies(fields: dict) -> st.SearchStrategy[dict]:
