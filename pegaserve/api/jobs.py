@@ -89,8 +89,8 @@ def chat_job(frontend: Frontend, body: ChatCompletionRequest, header_id: str | N
 
 def predicted_tokens(frontend: Frontend, body: ChatCompletionRequest, no_drafts: bool) -> tuple[int, ...]:
     """OpenAI's predicted output as the token ids the engine drafts from (`spec.PredictionProposer`):
-    verified as any draft, it changes no greedy token and no sampled law, and saves steps where it
-    holds. `no_drafts`: the request takes none (a grammar, beam search), so a prediction would do
+    verified as any draft, it changes no token (a draft changes no draw: sampler.py), and saves steps
+    where it holds. `no_drafts`: the request takes none (a grammar, beam search), so a prediction would do
     nothing: a 400."""
     prediction = body.prediction
     if prediction is None:

@@ -14,11 +14,13 @@ only where it is wanted (`SamplingRow.wants_logprob`: asked for, or a choice's f
 
 A draw is an inverse-CDF sample with one uniform per row, hashed from (seed, position), so a seeded
 row's token depends on nothing else in the batch, on preemption, or on which replica (prefill or
-decode) samples it. A speculative draft's mass comes first in the CDF: the same uniform accepts the
-draft with probability p(draft) and otherwise samples p without it, renormalized, which is an exact
-sample from p either way. (Where the runner has the screened LM head, a sampled row without filter,
-logprob or draft is drawn by rejection from upper bounds of its processed logits instead, with the
-same law and more uniforms of the same hash: sampling_screened.py.)
+decode) samples it. Nor on a speculative draft (n-gram, or a request's predicted output): the row is
+drawn as it would be without one, and the scheduler accepts the draft when the draw is the draft.
+That is an exact sample from p, accepted with probability p(draft) as rejection sampling's is for a
+one-token proposal, and a seeded request's tokens are the same with drafts or without. (Where the
+runner has the screened LM head, a sampled row without filter or logprob is drawn by rejection from
+upper bounds of its processed logits instead, with the same law and more uniforms of the same
+hash: sampling_screened.py.)
 
 A vocabulary is ~150k wide, so passes over it dominate a small model's step. Every row costs a
 chunked max that finds the argmax; a chunked exp2-sum gives both the log-normalizer and the inverse
@@ -71,7 +73,7 @@ class SamplingRow:
     masked_token_ids: frozenset[int] = frozenset()  # min_tokens (docs/CONTRACT.md rule 6), bad words
     output_token_ids: tuple[int, ...] = ()  # generated so far (presence/frequency/repetition)
     prompt_token_ids: tuple[int, ...] = ()  # repetition_penalty covers prompt + output
-    draft_token_id: int | None = None  # a speculative proposal for this position
+    draft_token_id: int | None = None  # a speculative proposal for this position: no draw reads it (above)
     stream: int = 0  # where its uniforms start among those of its (seed, position) (sampling_draw._uniform)
     token_bitmask: torch.Tensor | None = None  # its grammar's allowed tokens (grammar.Constraint.bitmask)
 

@@ -5,8 +5,8 @@ step's logits there costs more than the step's model: at batch 64 over a 152k vo
 step, 28 ms on an H200 host plus 14 ms of the CPU's passes, against ~40 ms for the model
 (docs/bench/GPU.md). So the plain rows, greedy or drawn at a temperature alone (what most clients
 send), are taken on the device and only their tokens and logprobs cross; the rows with processing
-(logit_bias, penalties, masks: allowed_token_ids, a grammar, min_tokens), a top-k, top-p or min_p
-filter, or a speculative draft to weigh cross alone, through `sample()`.
+(logit_bias, penalties, masks: allowed_token_ids, a grammar, min_tokens) or a top-k, top-p or
+min_p filter cross alone, through `sample()`.
 
 A plain row is what `sample()` would make of it: the argmax (the first best) when greedy, else an
 inverse-CDF draw at its temperature with the row's hashed uniform (sampling_draw._uniform: a seeded
@@ -77,7 +77,7 @@ def _plain(row: SamplingRow, vocab: int) -> bool:
     params = row.params
     if row.edited:
         return False
-    return params.greedy or (row.draft_token_id is None and not _filters(params, vocab))
+    return params.greedy or not _filters(params, vocab)
 
 
 def _rows(logits: torch.Tensor, picked: list[int]) -> torch.Tensor:

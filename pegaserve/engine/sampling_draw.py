@@ -1,7 +1,6 @@
 """The sampler's draw: an inverse-CDF sample per row, first of a cell from the row's cell masses, then of a
 token inside that cell, with one uniform per row hashed from (seed, position), so that a seeded row's token
-depends on nothing else in the batch. A speculative draft's mass comes first in the CDF (sampler.py's
-docstring says why that is an exact sample).
+depends on nothing else in the batch — nor on a speculative draft (sampler.py's docstring says why).
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pegaserve.engine.sampling_passes import _CELL, _FLOOR, _take, _weights
+from pegaserve.engine.sampling_passes import _CELL, _FLOOR, _take
 
 if TYPE_CHECKING:
     from pegaserve.engine.sampler import SamplingRow
@@ -41,17 +40,6 @@ def _draw(
     masses = masses.double()  # [n, num_cells]
     uniforms = [[_uniform(row, stream)] for row in rows]
     target = torch.tensor(uniforms, dtype=torch.float64) * masses.sum(-1, keepdim=True)
-    drafts = [row.draft_token_id for row in rows]
-    with_drafts = any(d is not None for d in drafts)
-    if with_drafts:  # the draft's mass comes first: [0, w_draft) accepts it
-        has_draft = torch.tensor([[d is not None] for d in drafts])
-        draft_ids = torch.tensor([[0 if d is None else d] for d in drafts])
-        assert int(draft_ids.max()) < vocab and int(draft_ids.min()) >= 0, "draft outside the vocabulary"
-        draft_values = _take(source, row_ids, torch.arange(len(rows))[:, None], draft_ids)
-        draft_weights = _weights(draft_values, shift, scale).masked_fill_(~has_draft | (draft_values < lower), 0.0)
-        accepted = target < draft_weights
-        target -= draft_weights
-        masses.scatter_add_(1, draft_ids // _CELL, -draft_weights).clamp_(min=0.0)  # its cell, without it
     cumulative = masses.cumsum(-1)
     cell = _search(cumulative, target)  # [n, 1]
     mass = masses.gather(1, cell)
@@ -61,14 +49,9 @@ def _draw(
     values = _take(source, row_ids, torch.arange(len(rows))[:, None], columns.clamp_(max=vocab - 1))
     exponents = (values - shift).mul_(scale)
     weightless = (exponents <= _FLOOR).logical_or_(outside).logical_or_(values < lower)
-    if with_drafts:
-        weightless.logical_or_((columns == draft_ids) & has_draft)
     within = exponents.double().exp2_().masked_fill_(weightless, 0.0).cumsum_(-1)  # [n, CELL]
     token_ids = columns.gather(1, _search(within, fraction * within[:, -1:]))
     drawn = row_max.isfinite() & (cumulative[:, -1:] > 0) & (within[:, -1:] > 0)
-    if with_drafts:
-        token_ids = torch.where(accepted, draft_ids, token_ids)
-        drawn |= row_max.isfinite() & accepted
     return torch.where(drawn, token_ids, fallback[:, None])[:, 0]
 
 

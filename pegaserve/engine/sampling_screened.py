@@ -4,7 +4,7 @@ full logits:
 
 - A row that wants the raw argmax alone (`sampler.argmax_only`) takes the screened argmax: the full
   logits' own, bit for bit.
-- A sampled row without filter, logprob or draft (`draws_by_rejection`) is drawn by rejection from
+- A sampled row without filter or logprob (`draws_by_rejection`) is drawn by rejection from
   upper bounds U_j >= L_j of its fp32 logits L. Its processing (logit_bias, penalties, the allowed_token_ids
   and min_tokens masks: sampling_processing.py) maps each logit alone, by float32 ops that never turn a larger
   logit into a smaller one, so processed bounds bound processed logits: below, U and L stand for
@@ -51,11 +51,10 @@ MAX_SLACK = 0.5  # nats: |x| * mean bound / temperature, above which a row takes
 
 
 def draws_by_rejection(row: SamplingRow, vocab: int) -> bool:
-    """Whether the row is drawn from the screened head's upper bounds: sampled, with no filter,
-    logprob or draft (processing is applied to the bounds)."""
+    """Whether the row is drawn from the screened head's upper bounds: sampled, with no filter or
+    logprob (processing is applied to the bounds)."""
     params = row.params
-    plain = not row.wants_logprob and row.draft_token_id is None
-    return plain and not params.greedy and not _filters(params, vocab)
+    return not row.wants_logprob and not params.greedy and not _filters(params, vocab)
 
 
 def _stretch(row: SamplingRow) -> float:

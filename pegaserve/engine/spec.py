@@ -67,8 +67,8 @@ PREDICTION_GRAMS = (3, 2)  # n-grams of the output that find its place in the pr
 
 class PredictionProposer:
     """OpenAI's predicted outputs: drafts from the tokens a request predicts its output will be
-    (`EngineRequest.prediction`), verified as any draft (greedy output is what it would have been;
-    sampled output keeps its law: sampler.py).
+    (`EngineRequest.prediction`), verified as any draft: the output is what it would have been
+    (sampler.py: a draft changes no draw).
 
     The proposer follows the prediction while the output does: after each token that is the
     prediction's next, it proposes what comes after it. Where the output departs, it finds its place

@@ -296,7 +296,8 @@ def test_masking_applies_per_row():
 
 
 # --- speculative drafts ----------------------------------------------------------------------------
-# Fixed seed sets, so each statistic below is one number: the tests are deterministic, not flaky.
+# A draft is accepted when the draw is the draft. Fixed seed sets, so each statistic below is one
+# number: the tests are deterministic, not flaky.
 
 DRAFT_PROBS = torch.tensor([0.30, 0.20, 0.15, 0.12, 0.10, 0.07, 0.05, 0.01])
 NUM_DRAWS = 20_000
@@ -319,12 +320,17 @@ def test_a_draft_is_accepted_with_probability_p_draft(draft):
     assert abs(accepted - p) < 4 * math.sqrt(p * (1 - p) / NUM_DRAWS)
 
 
-def test_a_draft_is_accepted_exactly_when_the_rows_uniform_falls_in_its_mass():
-    # one uniform per (seed, position), the draft's mass first: a likelier draft is accepted on
-    # every seed a less likely one is
-    likely = drawn(DRAFT_PROBS.log(), 2000, draft=0)  # p = 0.3
-    unlikely = drawn(DRAFT_PROBS.log(), 2000, draft=1)  # p = 0.2
-    assert {s for s, t in enumerate(unlikely) if t == 1} <= {s for s, t in enumerate(likely) if t == 0}
+def test_a_draft_changes_no_draw():
+    # the row draws as without its draft (the scheduler accepts the draft when the draw is the draft),
+    # so a seeded request's tokens are the same with speculation or a prediction, and without
+    plain = drawn(DRAFT_PROBS.log(), 2000)
+    for draft in (0, 1, 7):
+        assert drawn(DRAFT_PROBS.log(), 2000, draft=draft) == plain
+    logits = random_logits(4, vocab=151936, scale=3.0, seed=21)
+    for params in ({"seed": 3}, {"seed": 4, "top_p": 0.9}, {"seed": 5, "presence_penalty": 0.5}):
+        rows = [row(num_output_tokens=k, output=(7,), **params) for k in range(4)]
+        with_drafts = [replace(r, draft_token_id=d) for r, d in zip(rows, (0, 9, 151935, None))]
+        assert sample(logits, with_drafts) == sample(logits, rows), params
 
 
 def test_a_greedy_row_ignores_its_draft_and_a_masked_draft_is_never_accepted():

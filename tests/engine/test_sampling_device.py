@@ -87,7 +87,7 @@ def test_tokens_far_below_the_best_are_never_drawn(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_rows_with_processing_filters_or_a_draft_are_sample_s_own(device):
+def test_rows_with_processing_or_filters_are_sample_s_own(device):
     logits = random_logits(9, vocab=3000, seed=3)
     rows = [
         row(seed=1, presence_penalty=1.5, output=(4, 4, 9)),
@@ -95,10 +95,10 @@ def test_rows_with_processing_filters_or_a_draft_are_sample_s_own(device):
         row(seed=2, top_p=0.5),
         row(seed=3, top_k=20),
         row(seed=4, min_p=0.1),
-        row(seed=5, draft=12),
+        row(seed=5, min_p=0.05),
         row(seed=6, masked=frozenset({int(logits[6].argmax())}), temperature=0.0),
         row(seed=7, repetition_penalty=1.3, prompt=(1, 2, 3), output=(5,)),
-        row(temperature=0.0, top_k=1, draft=3),  # greedy (top_k 1): plain, its draft ignored
+        row(temperature=0.0, top_k=1, draft=3),  # greedy (top_k 1): plain, as every draft is
     ]
     got, want = split(logits, rows, device), sample(logits, rows)
     assert got[:-1] == want[:-1]

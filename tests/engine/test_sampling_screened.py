@@ -270,6 +270,7 @@ def test_which_rows_are_drawn_by_rejection():
         _row(None, repetition_penalty=1.2),
         _row(None, logit_bias=((5, 1.0),)),
         SamplingRow(SamplingParams(), 3, masked_token_ids=frozenset({7})),
+        SamplingRow(SamplingParams(), 3, draft_token_id=5),  # a draft changes no draw
     ):
         assert draws_by_rejection(row, VOCAB), row
     for row in (
@@ -281,7 +282,6 @@ def test_which_rows_are_drawn_by_rejection():
         _row(None, top_k=50),
         _row(None, min_p=0.1),
         _row(None, presence_penalty=0.5, top_p=0.9),
-        SamplingRow(SamplingParams(), 3, draft_token_id=5),
     ):
         assert not draws_by_rejection(row, VOCAB), row
 

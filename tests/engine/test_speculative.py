@@ -137,3 +137,24 @@ def test_ngram_proposer_finds_the_latest_earlier_occurrence():
     assert proposer.propose("r", [*tokens, 9, 1], 3) == (2, 3, 9)  # incremental: the index grows
     assert proposer.propose("x", [5, 6, 7], 3) == ()
     assert proposer.propose("r", tokens, 0) == ()
+
+
+def test_seeded_sampling_with_speculation_equals_it_without(tiny_model_dir):
+    # a draft changes no draw (sampler.py: the scheduler accepts it when the draw is the draft). The
+    # script's token wins ~87% of draws at temperature 1, so n-gram drafts of its loop are often
+    # accepted, and the other draws make each seed's output its own. The loop's ids come late in
+    # the vocabulary, so a draw that weighed the draft first would part from the plain one.
+    loop = (150001, 150002, 150003, 150004)
+    script = {loop * 3: loop * 10}
+
+    def sampled(seed: int) -> EngineRequest:
+        return EngineRequest(f"s{seed}", loop * 3, SamplingParams(temperature=1.0, seed=seed),
+                             StopPolicy(24, eos_token_ids=EOS_IDS, ignore_eos=True))
+
+    outputs = {}
+    for speculative in (None, SPEC):
+        engine = scripted_engine(tiny_model_dir, script, EngineConfig(num_blocks=64, speculative=speculative))
+        outputs[speculative] = {rid: token_ids(o) for rid, o in all_outputs(engine, [sampled(s) for s in range(6)]).items()}
+    assert outputs[SPEC] == outputs[None]
+    assert engine.stats().num_accepted_tokens > 0
+    assert any(ids != list(loop * 6) for ids in outputs[None].values())  # not the script alone
