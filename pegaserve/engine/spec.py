@@ -88,13 +88,14 @@ class PredictionProposer:
             if place is not None and place < len(prediction) and prediction[place] == output[i]:
                 place += 1
             else:
-                place = self._find(request_id, prediction, output[: i + 1], place)
+                place = self._find(request_id, prediction, output[max(0, i + 1 - max(PREDICTION_GRAMS)) : i + 1], place)
         self._places[request_id] = [place, len(output)]
         if place is None or max_drafts <= 0:
             return ()
         return tuple(prediction[place : place + min(max_drafts, self.max_drafts)])
 
-    def _find(self, request_id: str, prediction: Sequence[int], output: Sequence[int], lost: int | None) -> int | None:
+    def _find(self, request_id: str, prediction: Sequence[int], last: Sequence[int], lost: int | None) -> int | None:
+        """Where the prediction continues the output's `last` tokens (see above), or None."""
         grams = self._grams.get(request_id)
         if grams is None:
             grams = self._grams[request_id] = {}
@@ -102,7 +103,7 @@ class PredictionProposer:
                 for end in range(n, len(prediction) + 1):
                     grams.setdefault(tuple(prediction[end - n : end]), []).append(end)
         for n in PREDICTION_GRAMS:
-            ends = grams.get(tuple(output[-n:])) if len(output) >= n else None
+            ends = grams.get(tuple(last[-n:])) if len(last) >= n else None
             if ends:
                 return next((end for end in ends if lost is None or end >= lost), ends[0])
         return None
