@@ -35,6 +35,7 @@ class Arrived:
     prompt_tokens: int
     max_tokens: int
     client_request_id: str | None = None  # the client's X-Request-Id: a correlation label, not a key
+    internal: bool = False  # the frontend's own engine request (a beam search step), no client's choice
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,7 @@ class _Record:
     request_id: str
     events: list[tuple[str, float, str]] = field(default_factory=list)  # (name, t, component)
     client_request_id: str | None = None
+    internal: bool = False  # counted apart in the summary (Arrived.internal)
     prompt_tokens: int | None = None
     committed_token_ids: list[int] = field(default_factory=list)
     first_token: tuple[int, float] | None = None
@@ -132,6 +134,7 @@ class Ledger:
         self._num_violations = 0
         self._status_counts: Counter[str] = Counter()
         self._cause_counts: Counter[str] = Counter()
+        self._num_internal = 0  # finished internal records (Arrived.internal)
         self._num_evicted = 0
         self._journal = Path(journal) if journal else None
         if self._journal is not None:
@@ -152,8 +155,7 @@ class Ledger:
                 if len(self._restored) > self.max_records:
                     self._restored.popitem(last=False)
         for record in self._restored.values():
-            self._status_counts[record["status"]] += 1
-            self._cause_counts[record["stop_cause"]["kind"]] += 1
+            self._count(record["status"], record["stop_cause"]["kind"], record.get("internal", False))
             self._num_violations += len(record["violations"])
 
     def _append_to_journal(self, rec: _Record) -> None:
@@ -173,9 +175,10 @@ class Ledger:
 
     def _apply(self, rec: _Record, event: LedgerEvent) -> None:
         match event:
-            case Arrived(prompt_tokens=n, client_request_id=client_id):
+            case Arrived(prompt_tokens=n, client_request_id=client_id, internal=internal):
                 rec.prompt_tokens = n
                 rec.client_request_id = client_id
+                rec.internal = internal
             case Prefilled(first_token_id=token_id, first_logprob=logprob):
                 rec.first_token = (token_id, logprob)
             case KvSent():
@@ -196,11 +199,19 @@ class Ledger:
             self._violate(rec, "more than one terminal event")
             return
         rec.finished = event
-        self._status_counts[_status(event.cause)] += 1
-        self._cause_counts[cause_kind(event.cause)] += 1
+        self._count(_status(event.cause), cause_kind(event.cause), rec.internal)
         for problem in check_invariants(rec):
             self._violate(rec, problem)
         self._append_to_journal(rec)
+
+    def _count(self, status: str, cause: str, internal: bool) -> None:
+        """A finished record in the summary: a client's choice by status and stop cause, the
+        frontend's own requests (beam search steps) apart."""
+        if internal:
+            self._num_internal += 1
+        else:
+            self._status_counts[status] += 1
+            self._cause_counts[cause] += 1
 
     def _violate(self, rec: _Record, problem: str) -> None:
         rec.violations.append(problem)
@@ -235,6 +246,7 @@ class Ledger:
             "num_evicted": self._num_evicted,
             "by_status": {**self._status_counts, "in_flight": in_flight},
             "by_stop_cause": dict(self._cause_counts),
+            "internal_requests": self._num_internal,
             "invariant_violations": self._num_violations,
         }
 
@@ -294,6 +306,7 @@ def _to_json(rec: _Record) -> dict:
     return {
         "request_id": rec.request_id,
         "client_request_id": rec.client_request_id,
+        "internal": rec.internal,
         "status": _status(cause) if cause else "in_flight",
         "prompt_tokens": fin.prompt_tokens if fin else rec.prompt_tokens,
         "completion_tokens": fin.completion_tokens if fin else len(rec.committed_token_ids),

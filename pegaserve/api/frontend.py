@@ -185,7 +185,8 @@ class Frontend:
             await asyncio.shield(self._account(run, time.perf_counter() - start))
 
     async def _one_token_each(self, requests: list[EngineRequest], client_id: str | None) -> list[StepOutput]:
-        """Each request's one token, the requests run together; each has its record in the ledger."""
+        """Each request's one token, the requests run together; each has its record in the ledger,
+        marked internal (the summary counts it apart from the clients' choices)."""
         got: dict[str, StepOutput] = {}
 
         async def one(request: EngineRequest) -> None:
@@ -194,8 +195,8 @@ class Frontend:
                     earlier = got.get(output.request_id)
                     got[output.request_id] = output if earlier is None else earlier.then(output)
 
-        await self.ledger.record([Arrived(r.request_id, len(r.prompt_token_ids), 1, client_id) for r in requests],
-                                 "ingress")
+        await self.ledger.record([Arrived(r.request_id, len(r.prompt_token_ids), 1, client_id, internal=True)
+                                  for r in requests], "ingress")
         tasks = [asyncio.create_task(one(r)) for r in requests]
         unfinished: StopCause = Abort()
         try:

@@ -155,13 +155,18 @@ def test_a_stop_string_cuts_a_beams_text_and_keeps_its_trigger(server):
 
 
 def test_every_step_and_every_beam_has_its_ledger_record(server):
+    before = httpx.get(f"{server.base_url}/admin/ledger").json()
     body = post(server, prompt=list(PROMPT), max_tokens=4, n=2, use_beam_search=True, ignore_eos=True,
                 return_token_ids=True).json()
+    after = httpx.get(f"{server.base_url}/admin/ledger").json()
+    # the summary counts the client's two choices; the steps' 1 + 2 + 2 + 2 requests apart
+    assert after["by_status"]["finished"] - before["by_status"].get("finished", 0) == 2
+    assert after["internal_requests"] - before["internal_requests"] == 7
     answer = answer_from_body(body, chat=False)
     records = [httpx.get(f"{server.base_url}/admin/ledger/{key}").json() for key in ledger_keys(answer)]
     assert check_ledger(answer, records) == []
     first_step = httpx.get(f"{server.base_url}/admin/ledger/{body['id']}-beam1.0").json()
-    assert first_step["status"] == "finished" and first_step["completion_tokens"] == 1
+    assert first_step["status"] == "finished" and first_step["completion_tokens"] == 1 and first_step["internal"]
     assert first_step["prompt_tokens"] == len(PROMPT)
     last_step = httpx.get(f"{server.base_url}/admin/ledger/{body['id']}-beam4.1").json()
     assert last_step["prompt_tokens"] == len(PROMPT) + 3

@@ -96,3 +96,15 @@ def test_a_migration_after_more_tokens_than_committed_is_a_violation():
     ledger.record([Arrived("bad", 3, 16), Migrated("bad", "app/Decode#1", 9, "ActorDiedError")], "ingress")
     ledger.record([TokensCommitted("bad", (5,)), Finished("bad", Length(), 3, 1)], "ingress")
     assert ledger.get("bad")["violations"]
+
+
+def test_internal_records_are_counted_apart_also_after_a_restart(tmp_path):
+    journal = tmp_path / "ledger.jsonl"
+    ledger = Ledger(journal=journal)
+    finish(ledger, "client", (5, 17), Token(17))
+    ledger.record([Arrived("step", 3, 1, internal=True), TokensCommitted("step", (9,)),
+                   Finished("step", Length(), 3, 1)], "ingress")
+    for summary in (ledger.summary(), Ledger(journal=journal).summary()):
+        assert summary["by_status"]["finished"] == 1 and summary["by_stop_cause"] == {"token": 1}
+        assert summary["internal_requests"] == 1 and summary["invariant_violations"] == 0
+    assert ledger.get("step")["internal"] and not ledger.get("client")["internal"]
