@@ -95,15 +95,14 @@ def predicted_tokens(frontend: Frontend, body: ChatCompletionRequest, no_drafts:
     prediction = body.prediction
     if prediction is None:
         return ()
-    text = prediction.get("content") if isinstance(prediction, dict) else None
-    if isinstance(text, list) and text and all(isinstance(p, dict) and p.get("type") == "text"
-                                               and isinstance(p.get("text"), str) for p in text):
-        text = "".join(p["text"] for p in text)
-    if not isinstance(prediction, dict) or prediction.get("type") != "content" or not isinstance(text, str):
+    content = prediction.get("content") if isinstance(prediction, dict) else None
+    if not isinstance(prediction, dict) or prediction.get("type") != "content" \
+            or not isinstance(content, str | list) or content == []:
         raise invalid("prediction", 'must be {"type": "content", "content": <text, or a list of text parts>}')
     if no_drafts:
         raise invalid("prediction", "not with a structured output, a tool choice that needs a grammar or beam "
                                     "search: they take no drafts")
+    text = message_text(content, "prediction")
     ids = encode(frontend.tokenizer, text, False)
     if len(ids) > frontend.model.max_model_len:
         raise invalid("prediction", f"has {len(ids)} tokens, more than the context of {frontend.model.max_model_len}")
@@ -254,12 +253,13 @@ def render_chat(tokenizer: Tokenizer, messages: list[ChatMessage], add_generatio
                       f"the chat template rejected the messages: {exc}") from exc
 
 
-def message_text(content) -> str:
+def message_text(content, param: str = "messages") -> str:
+    """A message's (or a prediction's) content as text: a string, or the text of its text parts."""
     if content is None or isinstance(content, str):
         return content or ""
     parts = []
     for part in content:
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise invalid("messages", "only text content parts are supported")
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise invalid(param, "only text content parts are supported")
         parts.append(part["text"])
     return "".join(parts)

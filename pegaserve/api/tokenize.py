@@ -32,8 +32,5 @@ def tokenize(frontend: Frontend, body: TokenizeRequest) -> dict:
 
 def detokenize(frontend: Frontend, body: DetokenizeRequest) -> dict:
     v.check_model(body.model, frontend.model)
-    vocab = frontend.model.vocab_size
-    bad = next((i for i in body.tokens if not 0 <= i < vocab), None)
-    if bad is not None:
-        raise invalid("tokens", f"token id {bad} is outside the vocabulary [0, {vocab})")
+    v.check_vocabulary("tokens", body.tokens, frontend.model.vocab_size)
     return {"prompt": frontend.tokenizer.decode(body.tokens, skip_special_tokens=False)}

@@ -63,6 +63,13 @@ class PromptPlan:
     prediction: tuple[int, ...] = ()  # EngineRequest.prediction
 
 
+def check_vocabulary(param: str, ids, vocab_size: int) -> None:
+    """Every id in `ids` is a token of the vocabulary; else a 400 naming `param` and the first that is not."""
+    bad = next((i for i in ids if not 0 <= i < vocab_size), None)
+    if bad is not None:
+        raise invalid(param, f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+
+
 def check_model(model: str | None, info: ModelInfo) -> None:
     if model is not None and model not in (info.name, info.root):
         raise ApiError(f"The model `{model}` does not exist.", param="model", status=404)
@@ -171,18 +178,14 @@ def listed_logprobs(body: SamplingFields, model: ModelInfo, num_top: int | None,
         raise invalid("logprob_token_ids", "not with echo (its prompt tokens show the top-N)")
     if len(ids) > MAX_LOGPROB_TOKEN_IDS:
         raise invalid("logprob_token_ids", f"at most {MAX_LOGPROB_TOKEN_IDS} ids, got {len(ids)}")
-    bad = next((i for i in ids if not 0 <= i < model.vocab_size), None)
-    if bad is not None:
-        raise invalid("logprob_token_ids", f"token id {bad} is outside the vocabulary [0, {model.vocab_size})")
+    check_vocabulary("logprob_token_ids", ids, model.vocab_size)
     listed = tuple(dict.fromkeys(ids))
     return len(listed), listed
 
 
 def check_prompt_ids(ids: list[int], body: SamplingFields, model: ModelInfo, param: str,
                      limits: Limits) -> tuple[int, ...]:
-    bad = next((i for i in ids if not 0 <= i < model.vocab_size), None)
-    if bad is not None:
-        raise invalid(param, f"token id {bad} is outside the vocabulary [0, {model.vocab_size})")
+    check_vocabulary(param, ids, model.vocab_size)
     if body.truncate_prompt_tokens is not None:
         keep = model.max_model_len if body.truncate_prompt_tokens == -1 else body.truncate_prompt_tokens
         ids = ids[-keep:] if body.truncation_side == "left" else ids[:keep]
@@ -374,9 +377,7 @@ def _allowed_token_ids(body: SamplingFields, model: ModelInfo) -> frozenset[int]
         return None
     if not ids:
         raise invalid("allowed_token_ids", "must hold at least one token id")
-    bad = next((i for i in ids if not 0 <= i < model.vocab_size), None)
-    if bad is not None:
-        raise invalid("allowed_token_ids", f"token id {bad} is outside the vocabulary [0, {model.vocab_size})")
+    check_vocabulary("allowed_token_ids", ids, model.vocab_size)
     return frozenset(ids)
 
 
@@ -391,8 +392,7 @@ def _logit_bias(body: SamplingFields, model: ModelInfo, limits: Limits) -> tuple
             token_id = int(key)
         except ValueError:
             raise invalid("logit_bias", f"keys must be token ids, got {key!r}") from None
-        if not 0 <= token_id < model.vocab_size:
-            raise invalid("logit_bias", f"token id {token_id} is outside the vocabulary [0, {model.vocab_size})")
+        check_vocabulary("logit_bias", (token_id,), model.vocab_size)
         if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
             raise invalid("logit_bias", f"biases must be in [-100, 100], got {bias!r} for token {token_id}")
         biases[token_id] = float(bias)
@@ -415,7 +415,5 @@ def _stop_token_ids(body: SamplingFields, model: ModelInfo, limits: Limits) -> f
     ids = body.stop_token_ids or []
     if len(ids) > limits.max_stop_token_ids:
         raise invalid("stop_token_ids", f"at most {limits.max_stop_token_ids} ids, got {len(ids)}")
-    bad = next((i for i in ids if not 0 <= i < model.vocab_size), None)
-    if bad is not None:
-        raise invalid("stop_token_ids", f"token id {bad} is outside the vocabulary [0, {model.vocab_size})")
+    check_vocabulary("stop_token_ids", ids, model.vocab_size)
     return frozenset(ids)

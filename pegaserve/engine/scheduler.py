@@ -15,7 +15,7 @@ scheduled_request.py.
 from __future__ import annotations
 
 import time
-from bisect import bisect_left, insort
+from bisect import insort
 from collections import deque
 from dataclasses import dataclass
 
@@ -24,6 +24,7 @@ from pegaserve.engine.grammar import Grammars
 from pegaserve.engine.kv_manager import KvCacheManager
 from pegaserve.engine.request import (EngineRequest, Handoff, ParkedKv, RequestState, SampledToken, Status,
                                       StepOutput)
+from pegaserve.engine.ranked_queue import RankedQueue, rank
 from pegaserve.engine.scheduled_request import scheduled_request
 from pegaserve.engine.scheduler_output import RunnerOutput, ScheduledRequest, SchedulerOutput
 from pegaserve.engine.spec import PredictionProposer, Proposer
@@ -44,47 +45,6 @@ class ReceiveTarget:
 
     block_ids: tuple[int, ...]
     first_block: int  # the prompt's first block to move (the ones before it are cached here)
-
-
-def _rank(request: RequestState) -> tuple[int, float]:
-    return request.spec.rank
-
-
-class RankedQueue:
-    """The waiting queue under the priority policy, in rank order (`EngineRequest.rank`), with the
-    deque's methods the scheduler uses: a preempted request (`appendleft`) goes before the others of
-    its rank, a new one after them."""
-
-    def __init__(self) -> None:
-        self._items: list[RequestState] = []
-
-    def append(self, request: RequestState) -> None:
-        insort(self._items, request, key=_rank)
-
-    def appendleft(self, request: RequestState) -> None:
-        self._items.insert(bisect_left(self._items, request.spec.rank, key=_rank), request)
-
-    def extend(self, requests) -> None:
-        for request in requests:
-            self.append(request)
-
-    def popleft(self) -> RequestState:
-        return self._items.pop(0)
-
-    def remove(self, request: RequestState) -> None:
-        self._items.remove(request)
-
-    def __getitem__(self, index: int) -> RequestState:
-        return self._items[index]
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __iter__(self):
-        return iter(self._items)
-
-    def __contains__(self, request) -> bool:
-        return request in self._items
 
 
 class Scheduler:
@@ -229,7 +189,7 @@ class Scheduler:
 
     def _run(self, request: RequestState) -> None:
         if self.by_priority:
-            insort(self.running, request, key=_rank)
+            insort(self.running, request, key=rank)
         else:
             self.running.append(request)
 

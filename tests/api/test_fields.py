@@ -15,7 +15,6 @@ from pydantic import BaseModel
 
 from pegaserve.api.app import build_app
 from pegaserve.api.jobs import render_chat
-from pegaserve.api.validation import Limits
 from pegaserve.engine.engine import EngineConfig
 from pegaserve.standalone import build_local_frontend
 from pegaserve.testing.scripted import scripted_engine
@@ -123,8 +122,8 @@ BEHAVIOUR = {
     "add_generation_prompt": ["test_tokenize::test_messages_tokenize_as_the_chat_endpoint_renders_them"],
     "continue_final_message": ["test_echo_logprobs::test_chat_echo_prepends_the_last_message_of_the_reply_role"],
     "chat_template_kwargs": [
-        "test_fields::test_messages_and_template_kwargs_reach_the_chat_template",
-        "test_fields::test_template_kwargs_cannot_replace_the_template_or_pass_refused_fields",
+        "test_chat_template::test_messages_and_template_kwargs_reach_the_chat_template",
+        "test_chat_template::test_template_kwargs_cannot_replace_the_template_or_pass_refused_fields",
     ],
     "tool_choice": ["test_fields::test_tool_choice_without_tools", TOOLS,
                     "test_tools::test_a_named_function_s_arguments_keep_to_its_schema",
@@ -134,16 +133,16 @@ BEHAVIOUR = {
     "functions": [LEGACY, "test_tools::test_a_forced_legacy_function_call_keeps_to_its_schema"],
     "function_call": [LEGACY, "test_tools::test_a_forced_legacy_function_call_keeps_to_its_schema"],
     "messages.function_call": ["test_tools::test_a_legacy_conversation_reaches_the_template_as_tool_calls_and_answers"],
-    "chat_template": ["test_fields::test_a_requests_own_chat_template_only_where_the_server_trusts_it"],
-    "documents": ["test_fields::test_documents_and_reasoning_effort_reach_a_template_that_reads_them"],
-    "reasoning_effort": ["test_fields::test_documents_and_reasoning_effort_reach_a_template_that_reads_them"],
+    "chat_template": ["test_chat_template::test_a_requests_own_chat_template_only_where_the_server_trusts_it"],
+    "documents": ["test_chat_template::test_documents_and_reasoning_effort_reach_a_template_that_reads_them"],
+    "reasoning_effort": ["test_chat_template::test_documents_and_reasoning_effort_reach_a_template_that_reads_them"],
     "parallel_tool_calls": [TOOLS],
     "modalities": ["test_fields::test_text_is_the_only_modality"],
     "messages.role": [CONTRACT],
     "messages.content": [CONTRACT, "test_tokenize::test_messages_tokenize_as_the_chat_endpoint_renders_them"],
-    "messages.name": ["test_fields::test_messages_and_template_kwargs_reach_the_chat_template"],
-    "messages.tool_calls": ["test_fields::test_messages_and_template_kwargs_reach_the_chat_template"],
-    "messages.tool_call_id": ["test_fields::test_messages_and_template_kwargs_reach_the_chat_template"],
+    "messages.name": ["test_chat_template::test_messages_and_template_kwargs_reach_the_chat_template"],
+    "messages.tool_calls": ["test_chat_template::test_messages_and_template_kwargs_reach_the_chat_template"],
+    "messages.tool_call_id": ["test_chat_template::test_messages_and_template_kwargs_reach_the_chat_template"],
 }
 # accepted, and by definition changing nothing here: (field, a non-default value)
 NO_EFFECT = {
@@ -393,93 +392,6 @@ def test_tool_choice_without_tools(server):
 def test_text_is_the_only_modality(server):
     assert post(server, "chat", modalities=["text"]).status_code == 200
     assert post(server, "chat", modalities=["audio"]).json()["error"]["param"] == "modalities"
-
-
-TEMPLATE = ("{% for m in messages %}{{ m.role }}{% if m.name %}({{ m.name }}){% endif %}"
-            "{% if m.tool_call_id %}[{{ m.tool_call_id }}]{% endif %}{% if m.tool_calls %}{{ m.tool_calls | tojson }}"
-            "{% endif %}: {{ m.content }}\n{% endfor %}{% if greeting %}{{ greeting }}{% endif %}")
-
-
-def test_messages_and_template_kwargs_reach_the_chat_template(tiny_model_dir):
-    frontend = scripted_frontend(tiny_model_dir, {})
-    frontend.tokenizer.hf.chat_template = TEMPLATE
-    messages = [{"role": "user", "content": "hi", "name": "bob"},
-                {"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]},
-                {"role": "tool", "content": "42", "tool_call_id": "c1"}]
-    with ThreadedServer(build_app(frontend)) as running:
-        tokens = httpx.post(f"{running.base_url}/tokenize", json={"messages": messages,
-                                                                  "chat_template_kwargs": {"greeting": "hello!"}})
-        text = httpx.post(f"{running.base_url}/detokenize", json={"tokens": tokens.json()["tokens"]}).json()["prompt"]
-        chat = httpx.post(f"{running.base_url}/v1/chat/completions",
-                          json={"messages": messages, "max_tokens": 1, "chat_template_kwargs": {"greeting": "hello!"}})
-    assert text == 'user(bob): hi\nassistant[{"id": "c1"}]: \ntool[c1]: 42\nhello!'
-    assert chat.json()["usage"]["prompt_tokens"] == tokens.json()["count"]
-
-
-def test_template_kwargs_cannot_replace_the_template_or_pass_refused_fields(tiny_model_dir):
-    frontend = scripted_frontend(tiny_model_dir, {})
-    messages = [{"role": "user", "content": "hi"}]
-    smuggled = {"chat_template": "{{ messages[0].content }}!", "documents": [{"text": "d"}]}
-    with ThreadedServer(build_app(frontend)) as running:
-        for name, value in smuggled.items():
-            for path in ("/tokenize", "/v1/chat/completions"):
-                response = httpx.post(f"{running.base_url}{path}", json={
-                    "messages": messages, "max_tokens": 1, "chat_template_kwargs": {name: value}})
-                error = response.json()["error"]
-                assert response.status_code == 400 and error["param"] == "chat_template_kwargs", response.text
-                assert name in error["message"]
-
-
-RAG_TEMPLATE = ("{% for d in documents or [] %}[{{ d.title }}: {{ d.text }}]{% endfor %}"
-                "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
-                "{% if reasoning_effort %}effort={{ reasoning_effort }}{% endif %}")
-
-
-def rendered(running, **body) -> httpx.Response | str:
-    """The prompt /tokenize renders for `body` (its text), after checking the chat endpoint counts
-    the same tokens; the error response where either refuses."""
-    body = {"messages": [{"role": "user", "content": "hi"}], **body}
-    tokens = httpx.post(f"{running.base_url}/tokenize", json=body)
-    chat = httpx.post(f"{running.base_url}/v1/chat/completions", json={**body, "max_tokens": 1})
-    if tokens.status_code != 200 or chat.status_code != 200:
-        assert tokens.status_code == chat.status_code == 400 and tokens.json() == {
-            "error": {**chat.json()["error"], "message": tokens.json()["error"]["message"]}}
-        return chat
-    assert chat.json()["usage"]["prompt_tokens"] == tokens.json()["count"]
-    return httpx.post(f"{running.base_url}/detokenize", json={"tokens": tokens.json()["tokens"]}).json()["prompt"]
-
-
-def test_documents_and_reasoning_effort_reach_a_template_that_reads_them(tiny_model_dir):
-    documents = [{"title": "t1", "text": "alpha"}, {"title": "t2", "text": "beta"}]
-    with ThreadedServer(build_app(scripted_frontend(tiny_model_dir, {}))) as plain:
-        for field, value in (("documents", documents), ("reasoning_effort", "low")):
-            refused = rendered(plain, **{field: value})  # the default model's template reads neither
-            assert refused.json()["error"]["param"] == field and "does not read" in refused.json()["error"]["message"]
-    frontend = scripted_frontend(tiny_model_dir, {})
-    frontend.tokenizer.hf.chat_template = RAG_TEMPLATE
-    with ThreadedServer(build_app(frontend)) as rag:
-        assert rendered(rag, documents=documents, reasoning_effort="high") == \
-            "[t1: alpha][t2: beta]user: hi\neffort=high"
-        assert rendered(rag, documents=None) == "user: hi\n"
-        both = rendered(rag, reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "high"})
-        assert both.json()["error"]["param"] == "chat_template_kwargs"
-        assert rendered(rag, reasoning_effort="extreme").json()["error"]["param"] == "reasoning_effort"
-
-
-def test_a_requests_own_chat_template_only_where_the_server_trusts_it(tiny_model_dir):
-    own = "{% for m in messages %}<<{{ m.content }}>>{% endfor %}{% for d in documents %}({{ d.text }}){% endfor %}"
-    with ThreadedServer(build_app(scripted_frontend(tiny_model_dir, {}))) as plain:
-        refused = rendered(plain, chat_template=own)
-        assert refused.json()["error"]["param"] == "chat_template"
-        assert "trust_request_chat_template" in refused.json()["error"]["message"]
-    trusting = scripted_frontend(tiny_model_dir, {}, limits=Limits(trust_request_chat_template=True))
-    with ThreadedServer(build_app(trusting)) as running:
-        assert rendered(running, chat_template=own, documents=[{"text": "d"}]) == "<<hi>>(d)"
-        assert rendered(running, chat_template="{% for m in messages %}").json()["error"]["param"] == "chat_template"
-        raising = rendered(running, chat_template="{{ raise_exception('no') }}")
-        assert raising.json()["error"]["param"] == "chat_template"
-        escape = rendered(running, chat_template="{{ ''.__class__.__mro__[1].__subclasses__() }}")
-        assert escape.json()["error"]["param"] == "chat_template"  # transformers' sandbox holds
 
 
 def test_a_chat_response_carries_its_prompt_ids_whatever_n(server):

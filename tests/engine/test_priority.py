@@ -11,7 +11,7 @@ import pytest
 
 from pegaserve.engine.build import load_engine
 from pegaserve.engine.engine import EngineConfig
-from pegaserve.engine.scheduler import RankedQueue
+from pegaserve.engine.ranked_queue import RankedQueue
 from pegaserve.engine.request import RequestState
 from pegaserve.testing.scripted import scripted_engine
 from tests.engine.helpers import greedy_request, run_to_completion, token_ids
