@@ -25,9 +25,11 @@ from pegaserve.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    SamplingFields,
+    ResponsesRequest,
+    SamplingKnobs,
     TokenizeRequest,
 )
+from pegaserve.api.responses import ResponseView, responses_job
 from pegaserve.api.validation import check_model
 
 log = logging.getLogger(__name__)
@@ -72,7 +74,7 @@ def build_app(frontend: Frontend, api_keys: tuple[str, ...] = (), max_inflight: 
             return make_job(frontend, body, _client_id(request, body, echo_request_id))
 
         raw = await request.body()
-        return await _respond(frontend, await off_the_loop_if_large(raw, build), echo_request_id)
+        return await _respond(frontend, await off_the_loop_if_large(raw, build), echo_request_id=echo_request_id)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -81,6 +83,15 @@ def build_app(frontend: Frontend, api_keys: tuple[str, ...] = (), max_inflight: 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await generate(request, ChatCompletionRequest, chat_job)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        def build() -> tuple[Job, ResponseView]:
+            body = parse_body(raw, ResponsesRequest)
+            return responses_job(frontend, body, _client_id(request, body, echo_request_id))
+
+        raw = await request.body()
+        return await _respond(frontend, *await off_the_loop_if_large(raw, build), echo_request_id=echo_request_id)
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> dict:
@@ -117,7 +128,7 @@ async def off_the_loop_if_large(raw: bytes, build: Callable[[], T]) -> T:
     return await asyncio.to_thread(build)
 
 
-def _client_id(request: Request, body: SamplingFields, header_is_clients: bool) -> str | None:
+def _client_id(request: Request, body: SamplingKnobs, header_is_clients: bool) -> str | None:
     """The X-Request-Id header. Behind Serve (`echo_request_id` off) the header is there even when
     the client sent none, Serve having made one up, so the body's `request_id` comes first."""
     if not header_is_clients and body.request_id is not None:
@@ -125,23 +136,27 @@ def _client_id(request: Request, body: SamplingFields, header_is_clients: bool) 
     return request.headers.get(REQUEST_ID_HEADER)
 
 
-async def _respond(frontend: Frontend, job: Job, echo_request_id: bool):
+async def _respond(frontend: Frontend, job: Job, view: ResponseView | None = None, *, echo_request_id: bool):
+    """The job's body, or its stream: chat and completion chunks, or (with `view`, the Responses
+    API's) the response's typed events, each named in its SSE `event:` line, with no `[DONE]`."""
     log.info("request %s: client id %r, %d prompt(s), n=%d", job.response_id, job.client_request_id,
              len(job.prompts), job.n)
     headers = {"X-Request-Id": job.client_request_id or job.response_id} if echo_request_id else {}
     if not job.stream:
-        return JSONResponse(await frontend.complete(job), headers=headers)
-    chunks = frontend.stream(job)
+        body = await frontend.complete(job)
+        return JSONResponse(body if view is None else view.response(body), headers=headers)
+    chunks = frontend.stream(job) if view is None else view.events(frontend.stream(job))
     first = await anext(chunks, None)  # admission errors (400, 429) still get their HTTP status
-    return StreamingResponse(_sse(first, chunks), media_type="text/event-stream", headers=headers)
+    return StreamingResponse(_sse(first, chunks, named=view is not None), media_type="text/event-stream",
+                             headers=headers)
 
 
-async def _sse(first: dict | None, chunks: AsyncIterator[dict]) -> AsyncIterator[bytes]:
+async def _sse(first: dict | None, chunks: AsyncIterator[dict], named: bool = False) -> AsyncIterator[bytes]:
     try:
         if first is not None:
-            yield _event(first)
+            yield _event(first, named)
         async for chunk in chunks:
-            yield _event(chunk)
+            yield _event(chunk, named)
     except ApiError as exc:
         yield _event(exc.body())
     except Exception:  # headers are gone: report in-band, never a torn stream
@@ -149,18 +164,21 @@ async def _sse(first: dict | None, chunks: AsyncIterator[dict]) -> AsyncIterator
         yield _event(ApiError(FAILED, status=500).body())
     finally:
         await chunks.aclose()
-    yield b"data: [DONE]\n\n"
+    if not named:
+        yield b"data: [DONE]\n\n"
 
 
-def _event(body: dict) -> bytes:
+def _event(body: dict, named: bool = False) -> bytes:
     """One SSE event, once per token of every stream: orjson (~4 us less than the standard encoder
     per chunk here), compact UTF-8 as the JSON responses are. What it refuses (a lone surrogate a
-    client sent, an int past 64 bits) the standard encoder writes, escaped."""
+    client sent, an int past 64 bits) the standard encoder writes, escaped. `named`: the event's
+    `type` in an `event:` line too (the Responses API's)."""
     try:
         data = orjson.dumps(body)
     except orjson.JSONEncodeError:
         data = json.dumps(body, separators=(",", ":")).encode()
-    return b"data: " + data + b"\n\n"
+    name = f"event: {body['type']}\n".encode() if named and "type" in body else b""
+    return name + b"data: " + data + b"\n\n"
 
 
 def _install_error_handlers(app: FastAPI) -> None:

@@ -34,7 +34,7 @@ def parse_body(raw: bytes, model: type[Model]) -> Model:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise _first_complaint(exc) from None
+        raise complaint(exc) from None
 
 
 def _may_hold_surrogates(raw: bytes) -> bool:
@@ -59,7 +59,7 @@ def _encodable(value: object) -> bool:
     return True
 
 
-def _first_complaint(exc: ValidationError) -> ApiError:
+def complaint(exc: ValidationError) -> ApiError:
     """pydantic's first complaint, naming the top-level parameter it is about."""
     first = exc.errors(include_url=False, include_input=False)[0]
     loc = [str(p) for p in first.get("loc", ())]

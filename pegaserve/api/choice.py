@@ -48,12 +48,14 @@ class StopStrings:
 class ChoiceDelta:
     """What the client gets next: text, the tokens released with it, and the finish if this is the
     finishing delta (with `finish` set, every kept token has been released). A choice's first delta
-    carries the prompt's scores when the request asked the engine for them."""
+    carries the prompt's scores when the request asked the engine for them, and how many of the
+    prompt's tokens the prefix cache held, where the engine said."""
 
     text: str
     tokens: tuple[SampledToken, ...]
     finish: StopCause | None = None
     prompt_logprobs: tuple[TokenScore | None, ...] | None = None
+    num_cached_tokens: int | None = None
 
 
 class ChoiceStream:
@@ -67,6 +69,7 @@ class ChoiceStream:
         self._num_released_tokens = 0
         self._gate: int | None = 0 if min_tokens == 0 else None  # where stop-string matches may end
         self._prompt_logprobs: tuple[TokenScore | None, ...] | None = None
+        self._num_cached_tokens: int | None = None
         self._started = False  # whether a delta was released
         self.finish: StopCause | None = None
 
@@ -83,6 +86,8 @@ class ChoiceStream:
         assert self.finish is None, "no message after the finish"
         if output.prompt_logprobs is not None and self._prompt_logprobs is None:
             self._prompt_logprobs = output.prompt_logprobs
+        if self._num_cached_tokens is None:
+            self._num_cached_tokens = output.num_cached_tokens
         tokens = output.tokens
         for i, token in enumerate(tokens):
             self._add(token, output.finish if i == len(tokens) - 1 else None)
@@ -127,6 +132,6 @@ class ChoiceStream:
         self._num_released_chars, self._num_released_tokens = releasable, num_tokens
         if not text and not tokens and self.finish is None:
             return None
-        prompt_logprobs = None if self._started else self._prompt_logprobs
-        self._started = True
-        return ChoiceDelta(text, tokens, self.finish, prompt_logprobs)
+        first, self._started = not self._started, True
+        return ChoiceDelta(text, tokens, self.finish, self._prompt_logprobs if first else None,
+                           self._num_cached_tokens if first else None)

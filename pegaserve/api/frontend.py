@@ -60,8 +60,11 @@ class Job:
                 for p, plan in enumerate(self.prompts) for j in range(self.n)]
 
     def usage(self, results: list[ChoiceResult]) -> Usage:
-        """The prompts once each (their choices share them), every choice's tokens."""
-        return Usage(sum(len(p.prompt_token_ids) for p in self.prompts), sum(len(r.tokens) for r in results))
+        """The prompts once each (their choices share them), every choice's tokens, and the prompt
+        tokens the prefix cache held (a prompt's choices share its lookup: its first choice's figure)."""
+        cached = [results[p * self.n].num_cached_tokens for p in range(len(self.prompts))]
+        return Usage(sum(len(p.prompt_token_ids) for p in self.prompts), sum(len(r.tokens) for r in results),
+                     None if None in cached else sum(cached))
 
 
 def new_response_id(prefix: str) -> str:

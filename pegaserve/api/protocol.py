@@ -41,11 +41,11 @@ class ResponseFormat(Body):
     json_schema: dict[str, JsonValue] | None = None  # OpenAI's: {"name", "schema", "strict", "description"}
 
 
-class SamplingFields(Body):
-    """The parameters both endpoints share (docs/CONTRACT.md, request parameters, and README)."""
+class SamplingKnobs(Body):
+    """The sampling and stopping parameters every generating endpoint takes, the Responses API's
+    too (as vLLM's extensions, beside its own fields)."""
 
     model: str | None = None
-    max_tokens: StrictInt | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: StrictInt = 0  # 0 or -1: disabled
@@ -55,6 +55,20 @@ class SamplingFields(Body):
     stop_token_ids: list[StrictInt] | None = None
     ignore_eos: StrictBool = False
     min_tokens: StrictInt = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # no effect: an end-user label
+    request_id: str | None = None  # the client's correlation id, like the X-Request-Id header
+    cache_salt: str | None = None  # cached prompt blocks are shared only with requests of the same salt
+    priority: StrictInt = 0  # vLLM's: lower runs first, under the priority scheduling policy only
+
+
+class SamplingFields(SamplingKnobs):
+    """The parameters both endpoints share (docs/CONTRACT.md, request parameters, and README)."""
+
+    max_tokens: StrictInt | None = None
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
     spaces_between_special_tokens: StrictBool = True  # no effect: byte-level tokens decode as they are
@@ -63,10 +77,6 @@ class SamplingFields(Body):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: StrictInt = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[StrictInt] | None = None  # vLLM's: sample only among these
     bad_words: list[str] | None = None  # vLLM's: words the output may not form
     # structured outputs (at most one of them, with response_format's json_object / json_schema):
@@ -80,12 +90,8 @@ class SamplingFields(Body):
     truncation_side: Literal["left", "right"] = "left"
     response_format: ResponseFormat | None = None
     echo: StrictBool = False
-    user: str | None = None  # no effect: an end-user label
-    request_id: str | None = None  # the client's correlation id, like the X-Request-Id header
-    cache_salt: str | None = None  # cached prompt blocks are shared only with requests of the same salt
     use_beam_search: StrictBool = False  # vLLM's: the choices are the n best beams (pegaserve/api/beam.py)
     length_penalty: float = 1.0  # beam search's: a beam's score is cum_logprob / length ** length_penalty
-    priority: StrictInt = 0  # vLLM's: lower runs first, under the priority scheduling policy only
     logprob_token_ids: list[StrictInt] | None = None  # vLLM's: these ids' logprobs instead of the top-N
     # Refused unless at their defaults (`REFUSED`):
     kv_transfer_params: JsonValue = None
@@ -138,9 +144,68 @@ class ChatCompletionRequest(SamplingFields):
     web_search_options: JsonValue = None
 
 
+class TextFormat(Body):
+    """The Responses API's `text.format`: what `response_format` is to chat."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    json_schema: dict[str, JsonValue] | None = Field(None, alias="schema")  # (a BaseModel attribute's name)
+    strict: StrictBool | None = None
+    description: str | None = None
+
+
+class ResponseText(Body):
+    format: TextFormat | None = None
+    verbosity: Literal["medium"] | None = None  # OpenAI's default, the only one a model here can keep to
+
+
+class ResponseReasoning(Body):
+    effort: ReasoningEffort | None = None  # reaches the chat template, as chat's reasoning_effort
+    summary: Literal["auto", "concise", "detailed"] | None = None  # refused: no reasoning is summarized here
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None  # (summary's old name)
+
+
+class ResponsesStreamOptions(Body):
+    include_obfuscation: StrictBool = False  # refused if true: no padding is added to deltas
+
+
+class ResponsesRequest(SamplingKnobs):
+    """OpenAI's Responses API (pegaserve/api/responses.py), run as a chat completion: `input` and
+    `instructions` become the messages, `max_output_tokens` the length limit, `text.format` the
+    response format, `reasoning.effort` the template's reasoning effort. Nothing is stored."""
+
+    input: str | list[dict[str, JsonValue]]
+    instructions: str | None = None
+    max_output_tokens: StrictInt | None = None
+    stream: StrictBool = False
+    stream_options: ResponsesStreamOptions | None = None
+    tools: list[dict[str, JsonValue]] | None = None  # function tools: {"type": "function", "name", "parameters"...}
+    tool_choice: JsonValue = None  # "none", "auto", "required" or {"type": "function", "name": ...}
+    parallel_tool_calls: StrictBool = True
+    text: ResponseText | None = None
+    reasoning: ResponseReasoning | None = None
+    truncation: Literal["disabled"] = "disabled"  # "auto" is refused: a prompt past the context is a 400
+    chat_template_kwargs: dict[str, JsonValue] | None = None  # vLLM's, as chat's
+    metadata: dict[str, str] | None = None  # no effect: nothing is stored
+    service_tier: Literal["auto", "default"] | None = None  # no effect: one tier
+    safety_identifier: str | None = None  # no effect: an end-user label, as `user`
+    prompt_cache_key: str | None = None  # no effect: a routing hint; the prefix cache needs none
+    # Refused unless at their defaults (`REFUSED_RESPONSES`): nothing is stored, nor run in the background
+    store: StrictBool = False
+    previous_response_id: str | None = None
+    background: StrictBool = False
+    include: list[str] | None = None
+    top_logprobs: StrictInt = 0
+    max_tool_calls: StrictInt | None = None
+    prompt: JsonValue = None
+    conversation: JsonValue = None
+
+
 REFUSED_SHARED = ("kv_transfer_params", "vllm_xargs")
 REFUSED_COMPLETION = (*REFUSED_SHARED, "suffix")
 REFUSED_CHAT = (*REFUSED_SHARED, "store", "audio", "web_search_options")
+REFUSED_RESPONSES = ("store", "previous_response_id", "background", "include", "top_logprobs", "max_tool_calls",
+                     "prompt", "conversation")
 
 
 class TokenizeRequest(Body):

@@ -32,6 +32,7 @@ class ChoiceResult:
     tokens: list[SampledToken] = field(default_factory=list)
     finish: StopCause | None = None
     prompt_logprobs: tuple[TokenScore | None, ...] | None = None
+    num_cached_tokens: int | None = None  # of the prompt's, found in the prefix cache (where the engine said)
     num_deltas: int = 0
 
     def add(self, delta: ChoiceDelta) -> None:
@@ -40,6 +41,8 @@ class ChoiceResult:
         self.finish = delta.finish or self.finish
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
+        if delta.num_cached_tokens is not None:
+            self.num_cached_tokens = delta.num_cached_tokens
         self.num_deltas += 1
 
 
@@ -47,10 +50,14 @@ class ChoiceResult:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int | None = None  # prompt tokens the prefix cache held, where the engine said
 
     def body(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+        body = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
+        if self.cached_tokens is not None:
+            body["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}  # as OpenAI's
+        return body
 
 
 def logprob(value: float) -> float:

@@ -128,8 +128,9 @@ class StepOutput:
     The engine classifies every token in the step that produced it, so a token-level finish
     (`Eos`/`Token`/`Length`) always arrives with its trigger, the last of `tokens` (rule 18 holds
     by construction). A request whose prompt was scored carries `prompt_logprobs` on its first
-    output: one entry per prompt token, None for the first. In the prefill role a choice that
-    parks says where its prompt's KV lies (`parked`: what its lease names).
+    output: one entry per prompt token, None for the first. A choice's first output also says how
+    many of its prompt's tokens the prefix cache held (`num_cached_tokens`). In the prefill role a
+    choice that parks says where its prompt's KV lies (`parked`: what its lease names).
     """
 
     request_id: str
@@ -137,13 +138,15 @@ class StepOutput:
     finish: StopCause | None = None
     prompt_logprobs: tuple[TokenScore | None, ...] | None = None
     parked: ParkedKv | None = None
+    num_cached_tokens: int | None = None
 
     def then(self, later: "StepOutput") -> "StepOutput":
         """This message and a later one of the same choice as one (a consumer that fell behind)."""
         assert self.request_id == later.request_id and self.finish is None
         return StepOutput(self.request_id, self.tokens + later.tokens, later.finish,
                           self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
-                          self.parked)
+                          self.parked,
+                          self.num_cached_tokens if self.num_cached_tokens is not None else later.num_cached_tokens)
 
 
 @dataclass(frozen=True)

@@ -328,13 +328,15 @@ class Scheduler:
                 parked = self._park(request)
             elif (self.proposer is not None or request.spec.prediction) and request.sampling.grammar is None:
                 self._propose(request)  # no drafts under a grammar
-        return StepOutput(request.request_id, tuple(kept), cause, prompt_logprobs, parked)
+        return StepOutput(request.request_id, tuple(kept), cause, prompt_logprobs, parked,
+                          request.num_cached_tokens if first else None)
 
     def _score_only(self, lead: RequestState) -> list[StepOutput]:
         """`max_tokens=0` (echo scoring): the prompt is scored, nothing is generated."""
         prompt_logprobs = tuple(lead.prompt_scores) if lead.prompt_scores is not None else None
         choices, lead.forks = (lead, *lead.forks), []
-        outputs = [StepOutput(c.request_id, (), Length(), prompt_logprobs) for c in choices if c.request_id in self.requests]
+        outputs = [StepOutput(c.request_id, (), Length(), prompt_logprobs, num_cached_tokens=lead.num_cached_tokens)
+                   for c in choices if c.request_id in self.requests]
         for choice in choices:
             self._finish(choice, Length())
         return outputs

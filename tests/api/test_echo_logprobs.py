@@ -56,7 +56,8 @@ def test_echo_with_logprobs_shows_the_prompt_scored_by_the_reference(server, tin
     assert "".join(logprobs["tokens"]) == choice["text"]
     offsets = logprobs["text_offset"]
     assert offsets[0] == 0 and all(b - a == len(t) for a, b, t in zip(offsets, offsets[1:], logprobs["tokens"]))
-    assert body["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": 4, "total_tokens": len(PROMPT) + 4}
+    assert body["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": 4, "total_tokens": len(PROMPT) + 4,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     greedy = post(server, prompt=PROMPT, max_tokens=4, logprobs=TOP, temperature=0).json()["choices"][0]
     assert choice["text"] == prompt_text + greedy["text"]
     assert logprobs["token_logprobs"][len(PROMPT):] == greedy["logprobs"]["token_logprobs"]
@@ -99,7 +100,8 @@ def test_max_tokens_0_with_echo_scores_the_prompt_only(server, reference, stream
         only, usage = answer["choices"][0], answer["usage"]
     assert only["text"] == server_decode(server, PROMPT) and only["finish_reason"] == "length"
     assert only["stop_reason"] is None
-    assert usage == {"prompt_tokens": len(PROMPT), "completion_tokens": 0, "total_tokens": len(PROMPT)}
+    assert usage == {"prompt_tokens": len(PROMPT), "completion_tokens": 0, "total_tokens": len(PROMPT),
+                     "prompt_tokens_details": {"cached_tokens": 0}}
     logprobs = only["logprobs"]["token_logprobs"]
     assert logprobs[0] is None and len(logprobs) == len(PROMPT)
     assert logprobs[1:] == pytest.approx([reference[p - 1, PROMPT[p]].item() for p in range(1, len(PROMPT))],

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import typing
 
 import httpx
 import pytest
@@ -22,11 +23,11 @@ from pegaserve.tokenizer import Tokenizer
 from pegaserve.api.protocol import (
     REFUSED_CHAT,
     REFUSED_COMPLETION,
+    REFUSED_RESPONSES,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
-    ResponseFormat,
-    StreamOptions,
+    ResponsesRequest,
 )
 from tests.api.helpers import PROMPT, scripted_frontend, sse_chunks
 from tests.contract.server import ThreadedServer
@@ -37,6 +38,9 @@ AGREE = "test_structured_outputs::test_structured_outputs_and_the_guided_fields_
 BEAMS = "test_beam_search::test_completions_beams_are_transformers_beam_search"
 LEGACY = "test_tools::test_legacy_functions_come_back_as_one_function_call_streamed_and_not"
 TOOLS = "test_tools::test_auto_tool_calls_come_back_as_tool_calls_streamed_and_not"
+RESPONSE = "test_responses::test_a_response_is_the_chat_completion_of_its_messages"
+TEXT_FORMAT = "test_responses::test_a_json_schema_text_format_holds_the_output"
+BAD_RESPONSES = "test_responses::test_bad_responses_bodies_are_a_400_naming_the_parameter"
 # field -> the tests that show what it does ("module::test" under tests/api)
 BEHAVIOUR = {
     "model": ["test_contract_colocated::test_unknown_model_is_404"],
@@ -143,6 +147,16 @@ BEHAVIOUR = {
     "messages.name": ["test_chat_template::test_messages_and_template_kwargs_reach_the_chat_template"],
     "messages.tool_calls": ["test_chat_template::test_messages_and_template_kwargs_reach_the_chat_template"],
     "messages.tool_call_id": ["test_chat_template::test_messages_and_template_kwargs_reach_the_chat_template"],
+    # the Responses API's own (test_responses.py)
+    "input": [RESPONSE, "test_responses::test_input_items_become_chats_messages"],
+    "instructions": [RESPONSE],
+    "max_output_tokens": [RESPONSE],
+    "text": [TEXT_FORMAT], "text.format": [TEXT_FORMAT], "text.verbosity": [BAD_RESPONSES],
+    "reasoning": [BAD_RESPONSES, "test_responses::test_input_items_become_chats_messages"],
+    "reasoning.effort": [BAD_RESPONSES, "test_responses::test_input_items_become_chats_messages"],
+    "reasoning.summary": [BAD_RESPONSES], "reasoning.generate_summary": [BAD_RESPONSES],
+    "stream_options.include_obfuscation": [BAD_RESPONSES],
+    "truncation": [BAD_RESPONSES],
 }
 # accepted, and by definition changing nothing here: (field, a non-default value)
 NO_EFFECT = {
@@ -150,26 +164,38 @@ NO_EFFECT = {
     "metadata": {"team": "search"},
     "service_tier": "default",  # one tier
     "spaces_between_special_tokens": False,  # byte-level tokens decode as they are (as vLLM's fast path)
+    "safety_identifier": "someone",  # the Responses API's end-user label
+    "prompt_cache_key": "k",  # a routing hint: the prefix cache needs none
 }
 # refused unless at the default: (field, a non-default value)
 REFUSED_VALUES = {
     "kv_transfer_params": {"x": 1}, "vllm_xargs": {"x": 1}, "suffix": "tail", "store": True,
     "audio": {"voice": "x"}, "web_search_options": {},
+    # the Responses API's: nothing is stored, nor run in the background
+    "previous_response_id": "resp_1", "background": True, "include": ["x"], "top_logprobs": 2, "max_tool_calls": 1,
+    "prompt": {"id": "p"}, "conversation": "c",
 }
 MODELS = {"completions": CompletionRequest, "chat": ChatCompletionRequest}
-NESTED = {"stream_options": StreamOptions, "response_format": ResponseFormat, "messages": ChatMessage}
 
 
 def all_fields(model: type[BaseModel]) -> set[str]:
+    """A model's fields, and those of the models its fields hold (`messages.role`...)."""
     names = set(model.model_fields)
-    return names | {f"{outer}.{inner}" for outer, nested in NESTED.items() if outer in names
-                    for inner in nested.model_fields}
+    for outer, info in model.model_fields.items():
+        names |= {f"{outer}.{inner}" for nested in _models_in(info.annotation) for inner in nested.model_fields}
+    return names
+
+
+def _models_in(annotation) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
 
 
 def test_every_field_is_accounted_for():
-    refused = set(REFUSED_COMPLETION) | set(REFUSED_CHAT)
+    refused = set(REFUSED_COMPLETION) | set(REFUSED_CHAT) | set(REFUSED_RESPONSES)
     assert refused == set(REFUSED_VALUES)
-    for endpoint, model in MODELS.items():
+    for endpoint, model in {**MODELS, "responses": ResponsesRequest}.items():
         unaccounted = all_fields(model) - set(BEHAVIOUR) - set(NO_EFFECT) - refused
         assert not unaccounted, f"{endpoint}: fields neither tested, nor without effect, nor refused: {unaccounted}"
 

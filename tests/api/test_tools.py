@@ -27,14 +27,18 @@ CALLS = ('Let me look.<tool_call>\n{"name": "get_weather", "arguments": {"city":
 EOS = 151645
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    """The model writes CALLS (then EOS) after the conversation rendered with both tools."""
+def tools_app(tiny_model_dir):
+    """An app whose model writes CALLS (then EOS) after MESSAGES rendered with both tools."""
     tokenizer = Tokenizer(tiny_model_dir)
     prompt = tokenizer.backend.encode(render_chat(tokenizer, [_message(m) for m in MESSAGES], True, False, None,
                                                   [WEATHER, TIME]), add_special_tokens=False).ids
     script = {tuple(prompt): (*tokenizer.backend.encode(CALLS, add_special_tokens=False).ids, EOS)}
-    with ThreadedServer(build_app(scripted_frontend(tiny_model_dir, script))) as running:
+    return build_app(scripted_frontend(tiny_model_dir, script))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    with ThreadedServer(tools_app(tiny_model_dir)) as running:
         yield running
 
 

@@ -125,6 +125,24 @@ def test_priority_reaches_prefill_and_decode_only_under_the_priority_policy(ray_
     serve.delete("ranked")
 
 
+def test_a_response_through_pd_is_its_chat_completion_streamed_and_not(gloo_url):
+    """The Responses API rides the chat path: the same tokens, its KV handed off, its record closed."""
+    client = openai.OpenAI(base_url=f"{gloo_url}/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count to five."}]
+    chat = client.chat.completions.create(model="qwen3-tiny", messages=messages, max_completion_tokens=8,
+                                          temperature=0, extra_body={"ignore_eos": True})
+    body = {"model": "qwen3-tiny", "instructions": "Be brief.", "input": "Count to five.", "max_output_tokens": 8,
+            "temperature": 0, "extra_body": {"ignore_eos": True}}
+    response = client.responses.create(**body)
+    assert response.output_text == chat.choices[0].message.content and response.status == "incomplete"
+    assert response.usage.input_tokens == chat.usage.prompt_tokens and response.usage.output_tokens == 8
+    events = list(client.responses.create(stream=True, **body))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == response.output_text
+    assert events[-1].type == "response.incomplete" and events[-1].response.usage.output_tokens == 8
+    record = httpx.get(f"{gloo_url}/admin/ledger/{response.id}").json()
+    assert record["status"] == "finished" and record["handoff"]["fallback"] is None and record["violations"] == []
+
+
 def test_n_choices_share_one_handoff_recorded_per_choice(gloo_url):
     """The KV of n choices moves once, and every event of it lands in each choice's record: none
     under the request's own id, which would stay open in the ledger for good."""

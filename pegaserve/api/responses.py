@@ -1,0 +1,331 @@
+"""OpenAI's Responses API (`POST /v1/responses`), run as a chat completion: one path for the
+prompt, the stop contract, tools, structured output, the ledger and P/D, whichever API asked.
+
+- In: `instructions` become a system message; `input` (a string, or items: messages with text
+  parts, `function_call`s, `function_call_output`s) the messages; function `tools` and
+  `tool_choice` chat's; `text.format` the response format; `reasoning.effort` the template's
+  reasoning effort; `max_output_tokens` the length limit. A 400 names the Responses parameter.
+- Out: a `response` whose `output` is the assistant's message (one `output_text`) and its function
+  calls; `incomplete` with reason `max_output_tokens` when the length limit cut it. Streamed, the
+  typed events OpenAI sends, each with its `sequence_number`, from `response.created` to
+  `response.completed` (or `.incomplete`, or `error` then `response.failed`).
+- Nothing is stored: `store`, `previous_response_id`, `background` are refused (REFUSED_RESPONSES).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+
+from pydantic import ValidationError
+
+from pegaserve.api import validation as v
+from pegaserve.api.body import complaint
+from pegaserve.api.errors import ApiError, invalid
+from pegaserve.api.frontend import Job, new_response_id
+from pegaserve.api.jobs import chat_job
+from pegaserve.api.protocol import REFUSED_RESPONSES, ChatCompletionRequest, ResponsesRequest, SamplingKnobs
+
+# chat's names for what the Responses API calls otherwise, for the 400s
+_RESPONSES_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens",
+                    "response_format": "text.format", "reasoning_effort": "reasoning.effort"}
+_ROLES = ("user", "system", "developer", "assistant")
+
+
+def responses_job(frontend, body: ResponsesRequest, header_id: str | None) -> tuple[Job, ResponseView]:
+    """The chat job that runs `body`, under a `resp_` id (the ledger's key too), and its view."""
+    v.check_refused(body, REFUSED_RESPONSES, "is not supported: responses are not stored here")
+    if body.stream_options is not None and body.stream_options.include_obfuscation:
+        raise invalid("stream_options.include_obfuscation", "is not supported (only false)")
+    reasoning = body.reasoning
+    for name in ("summary", "generate_summary"):
+        if reasoning is not None and getattr(reasoning, name) is not None:
+            raise invalid(f"reasoning.{name}", "is not supported: no reasoning is summarized here (only null)")
+    try:
+        chat = ChatCompletionRequest.model_validate(chat_body(body))
+    except ValidationError as exc:
+        raise _renamed(complaint(exc)) from None
+    try:
+        job = chat_job(frontend, chat, header_id)
+    except ApiError as exc:
+        raise _renamed(exc) from None
+    response_id = new_response_id("resp").replace("-", "_")
+    job = replace(job, response_id=response_id, include_usage=True, continuous_usage=False)
+    return job, ResponseView(body, response_id, job.wire.model)
+
+
+def chat_body(body: ResponsesRequest) -> dict:
+    """The chat request that `body` is: its messages, tools, format and limits in chat's words."""
+    chat = body.model_dump(include=set(SamplingKnobs.model_fields), exclude_unset=True)
+    chat.update(messages=_messages(body), stream=body.stream, max_completion_tokens=body.max_output_tokens,
+                parallel_tool_calls=body.parallel_tool_calls, chat_template_kwargs=body.chat_template_kwargs)
+    if body.tools is not None:
+        chat["tools"] = [_chat_tool(i, tool) for i, tool in enumerate(body.tools)]
+    if body.tool_choice is not None:
+        chat["tool_choice"] = _chat_tool_choice(body.tool_choice)
+    text_format = body.text.format if body.text is not None else None
+    if text_format is not None and text_format.type != "text":
+        schema = {"name": text_format.name or "response", "schema": text_format.json_schema,
+                  "strict": text_format.strict, "description": text_format.description}
+        chat["response_format"] = {"type": text_format.type} if text_format.type == "json_object" else \
+            {"type": "json_schema", "json_schema": {k: x for k, x in schema.items() if x is not None}}
+    if body.reasoning is not None and body.reasoning.effort is not None:
+        chat["reasoning_effort"] = body.reasoning.effort
+    return {k: x for k, x in chat.items() if x is not None}
+
+
+def _messages(body: ResponsesRequest) -> list[dict]:
+    messages = [] if body.instructions is None else [{"role": "system", "content": body.instructions}]
+    if isinstance(body.input, str):
+        return [*messages, {"role": "user", "content": body.input}]
+    for i, item in enumerate(body.input):
+        kind = item.get("type", "message")
+        if kind == "message":
+            messages.append(_message(i, item))
+        elif kind == "function_call":
+            call = {"id": _text(item, "call_id", i), "type": "function",
+                    "function": {"name": _text(item, "name", i), "arguments": _text(item, "arguments", i)}}
+            if not (messages and messages[-1]["role"] == "assistant"):  # parallel calls: one message
+                messages.append({"role": "assistant", "content": None})
+            messages[-1].setdefault("tool_calls", []).append(call)
+        elif kind == "function_call_output":
+            output = item.get("output")
+            messages.append({"role": "tool", "tool_call_id": _text(item, "call_id", i),
+                             "content": output if isinstance(output, str) else _parts(i, output, "output")})
+        else:
+            raise invalid(f"input[{i}].type", f"{str(kind)[:40]!r} is not supported: only message, function_call "
+                                              "and function_call_output items")
+    if not messages:
+        raise invalid("input", "must hold at least one item")
+    return messages
+
+
+def _message(i: int, item: dict) -> dict:
+    role = item.get("role")
+    if role not in _ROLES:
+        raise invalid(f"input[{i}].role", f"must be one of {', '.join(_ROLES)}")
+    content = item.get("content")
+    return {"role": role, "content": content if isinstance(content, str) else _parts(i, content, "content")}
+
+
+def _parts(i: int, content, name: str) -> list[dict]:
+    """Text parts (`input_text`, `output_text`) as chat's `text` parts; anything else is a 400."""
+    if not isinstance(content, list):
+        raise invalid(f"input[{i}].{name}", "must be a string or a list of text parts")
+    parts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text") \
+                or not isinstance(part.get("text"), str):
+            raise invalid(f"input[{i}].{name}", "only input_text and output_text parts are supported")
+        parts.append({"type": "text", "text": part["text"]})
+    return parts
+
+
+def _text(item: dict, key: str, i: int) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise invalid(f"input[{i}].{key}", "must be a string")
+    return value
+
+
+def _chat_tool(i: int, tool: dict) -> dict:
+    if tool.get("type") != "function" or not isinstance(tool.get("name"), str):
+        raise invalid(f"tools[{i}]", "only function tools are supported: {\"type\": \"function\", \"name\", ...}")
+    return {"type": "function", "function": {k: x for k, x in tool.items() if k != "type"}}
+
+
+def _chat_tool_choice(choice):
+    if choice in ("none", "auto", "required"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise invalid("tool_choice", "must be 'none', 'auto', 'required' or {\"type\": \"function\", \"name\": ...}")
+
+
+def _renamed(error: ApiError) -> ApiError:
+    """A chat-side 400 about a parameter the Responses API names otherwise, in its words."""
+    param = error.param or ""
+    head, _, rest = param.partition(".")
+    name = _RESPONSES_NAMES.get(head)
+    if name is None:
+        return error
+    renamed = name + ("" if name == "input" or not rest else f".{rest}")  # messages' indices are not input's
+    message = error.message.replace(param, renamed, 1) if error.message.startswith(param) else error.message
+    return ApiError(message, renamed, error.status, error.type)
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _usage(usage: dict) -> dict:
+    return {"input_tokens": usage["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)},
+            "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage["total_tokens"]}
+
+
+@dataclass
+class _Items:
+    """A response's output as it grows: the message (one `output_text`) and the function calls."""
+
+    message: dict | None = None
+    calls: dict[int, dict] = field(default_factory=dict)  # by chat's tool-call index
+    output: list[dict] = field(default_factory=list)
+
+    def open_message(self) -> tuple[dict, bool]:
+        is_new = self.message is None
+        if is_new:
+            self.message = {"id": _id("msg"), "type": "message", "status": "in_progress", "role": "assistant",
+                            "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}]}
+            self.output.append(self.message)
+        return self.message, is_new
+
+    def open_call(self, index: int, call_id: str, name: str) -> tuple[dict, bool]:
+        is_new = index not in self.calls
+        if is_new:
+            self.calls[index] = {"id": _id("fc"), "type": "function_call", "status": "in_progress",
+                                 "call_id": call_id, "name": name, "arguments": ""}
+            self.output.append(self.calls[index])
+        return self.calls[index], is_new
+
+
+class ResponseView:
+    """A chat completion (its body, or its chunks) as the Responses API's response (or events)."""
+
+    def __init__(self, body: ResponsesRequest, response_id: str, model: str) -> None:
+        self.body = body
+        self.id = response_id
+        self.model = model
+        self.created_at = int(time.time())
+        self._sequence = 0
+
+    def response(self, chat: dict) -> dict:
+        """A whole chat completion as a whole response."""
+        choice = chat["choices"][0]
+        message, items = choice["message"], _Items()
+        if message.get("content") or not message.get("tool_calls"):
+            items.open_message()[0]["content"][0]["text"] = message.get("content") or ""
+        for i, call in enumerate(message.get("tool_calls") or []):
+            items.open_call(i, call["id"], call["function"]["name"])[0]["arguments"] = call["function"]["arguments"]
+        return self._finished(items, choice["finish_reason"], chat["usage"])
+
+    async def events(self, chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
+        """A chat completion's chunks as the response's events. The first chunk is awaited before
+        any event: a refusal at admission keeps its HTTP status."""
+        first = await anext(chunks, None)
+        items, finish, usage = _Items(), None, None
+        yield self._event("response.created", response=self._response("in_progress", []))
+        yield self._event("response.in_progress", response=self._response("in_progress", []))
+        async for chunk in _chain(first, chunks):
+            if "error" in chunk:
+                error = chunk["error"]
+                yield self._event("error", code=str(error.get("code")), message=error.get("message"),
+                                  param=error.get("param"))
+                failed = self._response("failed", items.output)
+                failed["error"] = {"code": "server_error", "message": error.get("message")}
+                yield self._event("response.failed", response=failed)
+                return
+            usage = chunk.get("usage") or usage
+            for choice in chunk["choices"]:
+                delta = choice.get("delta") or {}
+                if delta.get("content"):
+                    for event in self._text(items, delta["content"]):
+                        yield event
+                for call in delta.get("tool_calls") or []:
+                    for event in self._call(items, call):
+                        yield event
+                finish = choice.get("finish_reason") or finish
+        status, _ = self._status(finish)
+        for event in self._close(items, status):
+            yield event
+        yield self._event(f"response.{status}", response=self._finished(items, finish, usage))
+
+    # --- events -------------------------------------------------------------------------------------
+
+    def _text(self, items: _Items, text: str):
+        message, is_new = items.open_message()
+        index = items.output.index(message)
+        if is_new:
+            opened = {**message, "content": []}
+            yield self._event("response.output_item.added", output_index=index, item=opened)
+            yield self._event("response.content_part.added", item_id=message["id"], output_index=index,
+                              content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+        message["content"][0]["text"] += text
+        yield self._event("response.output_text.delta", item_id=message["id"], output_index=index, content_index=0,
+                          delta=text, logprobs=[])
+
+    def _call(self, items: _Items, delta: dict):
+        function = delta.get("function") or {}
+        call, is_new = items.open_call(delta["index"], delta.get("id", ""), function.get("name", ""))
+        index = items.output.index(call)
+        if is_new:
+            yield self._event("response.output_item.added", output_index=index, item=dict(call))
+        if function.get("arguments"):
+            call["arguments"] += function["arguments"]
+            yield self._event("response.function_call_arguments.delta", item_id=call["id"], output_index=index,
+                              delta=function["arguments"])
+
+    def _close(self, items: _Items, status: str):
+        for index, item in enumerate(items.output):
+            item["status"] = "incomplete" if status == "incomplete" else "completed"
+            if item["type"] == "message":
+                part = item["content"][0]
+                yield self._event("response.output_text.done", item_id=item["id"], output_index=index,
+                                  content_index=0, text=part["text"], logprobs=[])
+                yield self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                                  content_index=0, part=part)
+            else:
+                yield self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                  name=item["name"], arguments=item["arguments"])
+            yield self._event("response.output_item.done", output_index=index, item=item)
+
+    def _event(self, kind: str, **fields) -> dict:
+        event = {"type": kind, "sequence_number": self._sequence, **fields}
+        self._sequence += 1
+        return event
+
+    # --- the response object --------------------------------------------------------------------------
+
+    @staticmethod
+    def _status(finish: str | None) -> tuple[str, dict | None]:
+        if finish == "length":
+            return "incomplete", {"reason": "max_output_tokens"}
+        return "completed", None
+
+    def _finished(self, items: _Items, finish: str | None, usage: dict | None) -> dict:
+        status, incomplete = self._status(finish)
+        for item in items.output:
+            item["status"] = "incomplete" if incomplete else "completed"
+        response = self._response(status, items.output)
+        response["incomplete_details"] = incomplete
+        response["usage"] = None if usage is None else _usage(usage)
+        return response
+
+    def _response(self, status: str, output: list[dict]) -> dict:
+        body = self.body
+        text = body.text.model_dump(by_alias=True, exclude_none=True) if body.text is not None else {}
+        return {
+            "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+            "background": False, "error": None, "incomplete_details": None, "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens, "max_tool_calls": None, "model": self.model,
+            "output": list(output), "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": None,
+            "reasoning": {"effort": body.reasoning.effort if body.reasoning else None, "summary": None},
+            "service_tier": body.service_tier or "default", "store": False, "temperature": body.temperature,
+            "text": {"format": {"type": "text"}, **text}, "tool_choice": body.tool_choice or ("auto" if body.tools else "none"),
+            "tools": body.tools or [], "top_logprobs": 0, "top_p": body.top_p, "truncation": "disabled",
+            "usage": None, "user": body.user, "metadata": body.metadata or {},
+        }
+
+
+async def _chain(first: dict | None, rest: AsyncIterator[dict]) -> AsyncIterator[dict]:
+    """`first`, then `rest`; a failure of `rest` as an error chunk, as a stream reports one in-band."""
+    if first is not None:
+        yield first
+    try:
+        async for chunk in rest:
+            yield chunk
+    except ApiError as exc:
+        yield exc.body()
