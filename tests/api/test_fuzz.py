@@ -1,4 +1,4 @@
-"""Property-based fuzzing of the two generation endpoints: every answer is a 200 or a 4xx with an
+"""Property-based fuzzing of the three generation endpoints: every answer is a 200 or a 4xx with an
 OpenAI error body — never a 500, never a NaN or an infinity in the JSON — and the server keeps
 serving. Beside random bodies: an explicit null in any set of fields is the default (200), a lone
 surrogate in any string field is a 400 naming it, extreme numbers in every numeric field are a 200
@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pegaserve.api.app import build_app
-from pegaserve.api.protocol import ChatCompletionRequest, CompletionRequest
+from pegaserve.api.protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest
 from pegaserve.api.validation import Limits
 from tests.api.helpers import PROMPT, raw_json, scripted_frontend
 from tests.contract.server import ThreadedServer
@@ -87,6 +87,33 @@ CHAT = {**COMMON, "messages": field(st.lists(MESSAGE, max_size=3)), "logprobs": 
         "documents": field(st.lists(st.dictionaries(st.text(max_size=5), st.text(max_size=5)), max_size=2)),
         "reasoning_effort": field(st.sampled_from(["low", "high", "extreme"])),
         "chat_template": field(st.text(max_size=30))}
+ITEM = st.one_of(MESSAGE, JSONISH, st.fixed_dictionaries(
+    {"type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning"])},
+    optional={"role": st.sampled_from(["user", "assistant", "tool"]), "call_id": st.text(max_size=4),
+              "name": st.text(max_size=4), "arguments": st.text(max_size=8), "output": st.one_of(st.text(max_size=8),
+                                                                                                 JSONISH),
+              "content": st.one_of(st.text(max_size=8), st.lists(st.fixed_dictionaries(
+                  {"type": st.sampled_from(["input_text", "output_text", "input_image"]),
+                   "text": st.text(max_size=8)}), max_size=2))}))
+RESPONSES = {key: COMMON[key] for key in ("model", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+                                          "stop_token_ids", "ignore_eos", "min_tokens", "stream", "presence_penalty",
+                                          "frequency_penalty", "repetition_penalty", "logit_bias", "priority")}
+RESPONSES |= {"input": field(st.one_of(st.text(max_size=30), st.lists(ITEM, max_size=3))),
+              "instructions": field(st.text(max_size=20)), "max_output_tokens": field(SMALL_INT),
+              "tools": field(st.lists(st.one_of(st.fixed_dictionaries({"type": st.just("function"),
+                                                                        "name": st.text(max_size=6)}), JSONISH),
+                                      max_size=2)),
+              "tool_choice": field(st.one_of(st.sampled_from(["none", "auto", "required"]),
+                                             st.fixed_dictionaries({"type": st.just("function"),
+                                                                    "name": st.text(max_size=6)}))),
+              "text": field(st.fixed_dictionaries({}, optional={"format": st.fixed_dictionaries(
+                  {"type": st.sampled_from(["text", "json_object", "json_schema", "xml"])},
+                  optional={"schema": JSONISH, "name": st.text(max_size=4)}), "verbosity": JSONISH})),
+              "reasoning": field(st.fixed_dictionaries({}, optional={"effort": st.sampled_from(["low", "x"]),
+                                                                     "summary": JSONISH})),
+              "store": field(st.booleans()), "include": field(st.lists(st.text(max_size=5), max_size=2)),
+              "truncation": field(st.sampled_from(["disabled", "auto"])),
+              "stream_options": field(st.fixed_dictionaries({"include_obfuscation": st.booleans()}))}
 
 
 def bodies(fields: dict) -> st.SearchStrategy[dict]:
@@ -98,12 +125,12 @@ HEADERS = st.dictionaries(
     st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126), max_size=30).map(str.strip), max_size=3,
 )
 MESSAGES = [{"role": "user", "content": "hi"}]
-PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
-MODELS = {"completions": CompletionRequest, "chat": ChatCompletionRequest}
+PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "responses": "/v1/responses"}
+MODELS = {"completions": CompletionRequest, "chat": ChatCompletionRequest, "responses": ResponsesRequest}
 
 
 def base_body(endpoint: str) -> dict:
-    return {"prompt": PROMPT} if endpoint == "completions" else {"messages": MESSAGES}
+    return {"completions": {"prompt": PROMPT}, "chat": {"messages": MESSAGES}, "responses": {"input": "hi"}}[endpoint]
 
 
 @pytest.fixture(scope="module")
@@ -124,15 +151,18 @@ def _strict_json(text: str):
 
 def check_response(response: httpx.Response, body) -> None:
     assert response.status_code < 500, (response.status_code, response.text, body)
+    responses = response.request.url.path == "/v1/responses"
     if response.status_code == 200:
         if response.headers["content-type"].startswith("text/event-stream"):
-            assert response.text.rstrip().endswith("data: [DONE]")
+            events = [_strict_json(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
             assert '"internal_server_error"' not in response.text, response.text
-            for line in response.text.splitlines():
-                if line.startswith("data: {"):
-                    _strict_json(line[6:])
+            if responses:  # OpenAI's framing: typed events, the last one the response, no [DONE]
+                assert events[-1]["type"] in ("response.completed", "response.incomplete"), response.text
+                assert [e["sequence_number"] for e in events] == list(range(len(events)))
+            else:
+                assert response.text.rstrip().endswith("data: [DONE]")
         else:
-            assert "choices" in _strict_json(response.text)
+            assert ("output" if responses else "choices") in _strict_json(response.text)
     else:
         error = response.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["message"]
@@ -163,8 +193,14 @@ def test_fuzz_chat(app, body, headers):
     check(app, "/v1/chat/completions", body, headers)
 
 
+@FUZZ
+@given(body=bodies(RESPONSES), headers=HEADERS)
+def test_fuzz_responses(app, body, headers):
+    check(app, "/v1/responses", body, headers)
+
+
 @FEW
-@given(raw=st.binary(max_size=200), path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
+@given(raw=st.binary(max_size=200), path=st.sampled_from(sorted(PATHS.values())))
 def test_fuzz_raw_bytes(app, raw, path):
     check(app, path, None, {}, raw=raw)
 
@@ -210,6 +246,15 @@ STRING_FIELDS = {
         "tool_choice": lambda s: {"tool_choice": s},
         "chat_template": lambda s: {"chat_template": s},
     },
+    "responses": {
+        "input": lambda s: {"input": [{"role": "user", "content": [{"type": "input_text", "text": s}]}]},
+        "instructions": lambda s: {"instructions": s},
+        "model": lambda s: {"model": s},
+        "stop": lambda s: {"stop": [s]},
+        "safety_identifier": lambda s: {"safety_identifier": s},
+        "metadata": lambda s: {"metadata": {s: "v"}},
+        "tools": lambda s: {"tools": [{"type": "function", "name": s}]},
+    },
 }
 SURROGATES = st.sampled_from(["\ud800", "\udfff", "\udc80", "\ud83d"])
 
@@ -232,7 +277,8 @@ FLOAT_FIELDS = ["temperature", "top_p", "min_p", "presence_penalty", "frequency_
 INT_FIELDS = {"completions": ["max_tokens", "top_k", "seed", "n", "min_tokens", "logprobs", "prompt_logprobs",
                               "truncate_prompt_tokens", "best_of", "priority"],
               "chat": ["max_tokens", "max_completion_tokens", "top_k", "seed", "n", "min_tokens", "top_logprobs",
-                       "prompt_logprobs", "truncate_prompt_tokens", "priority"]}
+                       "prompt_logprobs", "truncate_prompt_tokens", "priority"],
+              "responses": ["max_output_tokens", "top_k", "seed", "min_tokens", "priority", "top_logprobs"]}
 
 
 @FEW
