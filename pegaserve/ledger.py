@@ -2,7 +2,9 @@
 per-request invariants. The Ray actor (deployments/ledger.py) only hosts a `Ledger`.
 
 Events arrive batched (one call per request phase, never per token) from the ingress, prefill and
-decode. Memory is bounded: only the most recent `max_records` finished records are kept.
+decode. Memory is bounded: only the most recent `max_records` finished records are kept, and
+apart from them the most recent `max_records // 10` of the frontend's own (`internal`: beam search
+steps, a width-n search of L tokens making n·L of them), which so push out no client's record.
 """
 
 from __future__ import annotations
@@ -131,6 +133,7 @@ class Ledger:
         self.max_records = max_records
         self._records: OrderedDict[str, _Record] = OrderedDict()
         self._restored: OrderedDict[str, dict] = OrderedDict()
+        self._internal: OrderedDict[str, dict] = OrderedDict()  # finished internal records, as JSON
         self._num_violations = 0
         self._status_counts: Counter[str] = Counter()
         self._cause_counts: Counter[str] = Counter()
@@ -150,11 +153,14 @@ class Ledger:
                     record = json.loads(line)
                 except json.JSONDecodeError:
                     continue  # a torn last line from a crash mid-write
+                if record.get("internal", False):
+                    self._keep_internal(record)
+                    continue
                 self._restored[record["request_id"]] = record
                 self._restored.move_to_end(record["request_id"])
                 if len(self._restored) > self.max_records:
                     self._restored.popitem(last=False)
-        for record in self._restored.values():
+        for record in (*self._restored.values(), *self._internal.values()):
             self._count(record["status"], record["stop_cause"]["kind"], record.get("internal", False))
             self._num_violations += len(record["violations"])
 
@@ -203,6 +209,15 @@ class Ledger:
         for problem in check_invariants(rec):
             self._violate(rec, problem)
         self._append_to_journal(rec)
+        if rec.internal:  # into its own window
+            del self._records[rec.request_id]
+            self._keep_internal(_to_json(rec))
+
+    def _keep_internal(self, record: dict) -> None:
+        self._internal[record["request_id"]] = record
+        self._internal.move_to_end(record["request_id"])
+        if len(self._internal) > max(1, self.max_records // 10):
+            self._internal.popitem(last=False)
 
     def _count(self, status: str, cause: str, internal: bool) -> None:
         """A finished record in the summary: a client's choice by status and stop cause, the
@@ -237,12 +252,14 @@ class Ledger:
 
     def get(self, request_id: str) -> dict | None:
         rec = self._records.get(request_id)
-        return _to_json(rec) if rec is not None else self._restored.get(request_id)
+        if rec is not None:
+            return _to_json(rec)
+        return self._restored.get(request_id) or self._internal.get(request_id)
 
     def summary(self) -> dict:
         in_flight = sum(1 for r in self._records.values() if r.finished is None)
         return {
-            "num_records": len(self._records) + len(self._restored),
+            "num_records": len(self._records) + len(self._restored) + len(self._internal),
             "num_evicted": self._num_evicted,
             "by_status": {**self._status_counts, "in_flight": in_flight},
             "by_stop_cause": dict(self._cause_counts),

@@ -108,3 +108,21 @@ def test_internal_records_are_counted_apart_also_after_a_restart(tmp_path):
         assert summary["by_status"]["finished"] == 1 and summary["by_stop_cause"] == {"token": 1}
         assert summary["internal_requests"] == 1 and summary["invariant_violations"] == 0
     assert ledger.get("step")["internal"] and not ledger.get("client")["internal"]
+
+
+def test_internal_records_push_out_no_clients_record(tmp_path):
+    """A wide beam search makes many one-token internal records: they keep to a window of their own."""
+    journal = tmp_path / "ledger.jsonl"
+    ledger = Ledger(max_records=20, journal=journal)
+    for i in range(5):
+        finish(ledger, f"client-{i}", (5, 17), Token(17))
+    for i in range(100):
+        ledger.record([Arrived(f"step-{i}", 3, 1, internal=True), TokensCommitted(f"step-{i}", (9,)),
+                       Finished(f"step-{i}", Length(), 3, 1)], "ingress")
+    for restarted in (ledger, Ledger(max_records=20, journal=journal)):
+        assert all(restarted.get(f"client-{i}")["status"] == "finished" for i in range(5))
+        assert restarted.get("step-99")["internal"] and restarted.get("step-98") is not None
+        assert restarted.get("step-97") is None  # the internal window keeps max_records // 10
+        summary = restarted.summary()
+        assert summary["num_records"] == 5 + 2 and summary["by_status"]["finished"] == 5
+    assert ledger.summary()["internal_requests"] == 100
