@@ -169,6 +169,11 @@ class ResponsesStreamOptions(Body):
     include_obfuscation: StrictBool = False  # refused if true: no padding is added to deltas
 
 
+Includable = Literal["message.output_text.logprobs", "reasoning.encrypted_content", "file_search_call.results",
+                     "web_search_call.results", "web_search_call.action.sources", "message.input_image.image_url",
+                     "computer_call_output.output.image_url", "code_interpreter_call.outputs"]  # OpenAI's
+
+
 class ResponsesRequest(SamplingKnobs):
     """OpenAI's Responses API (pegaserve/api/responses.py), run as a chat completion: `input` and
     `instructions` become the messages, `max_output_tokens` the length limit, `text.format` the
@@ -190,12 +195,14 @@ class ResponsesRequest(SamplingKnobs):
     service_tier: Literal["auto", "default"] | None = None  # no effect: one tier
     safety_identifier: str | None = None  # no effect: an end-user label, as `user`
     prompt_cache_key: str | None = None  # no effect: a routing hint; the prefix cache needs none
+    # "message.output_text.logprobs": each output token's logprob (and the `top_logprobs` best); the
+    # others add what no output here holds (reasoning, hosted tools' calls, images): no effect
+    include: list[Includable] | None = None
+    top_logprobs: StrictInt = 0
     # Refused unless at their defaults (`REFUSED_RESPONSES`): nothing is stored, nor run in the background
     store: StrictBool = False
     previous_response_id: str | None = None
     background: StrictBool = False
-    include: list[str] | None = None
-    top_logprobs: StrictInt = 0
     max_tool_calls: StrictInt | None = None
     prompt: JsonValue = None
     conversation: JsonValue = None
@@ -204,8 +211,7 @@ class ResponsesRequest(SamplingKnobs):
 REFUSED_SHARED = ("kv_transfer_params", "vllm_xargs")
 REFUSED_COMPLETION = (*REFUSED_SHARED, "suffix")
 REFUSED_CHAT = (*REFUSED_SHARED, "store", "audio", "web_search_options")
-REFUSED_RESPONSES = ("store", "previous_response_id", "background", "include", "top_logprobs", "max_tool_calls",
-                     "prompt", "conversation")
+REFUSED_RESPONSES = ("store", "previous_response_id", "background", "max_tool_calls", "prompt", "conversation")
 
 
 class TokenizeRequest(Body):

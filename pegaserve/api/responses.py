@@ -9,6 +9,8 @@ prompt, the stop contract, tools, structured output, the ledger and P/D, whichev
   calls; `incomplete` with reason `max_output_tokens` when the length limit cut it. Streamed, the
   typed events OpenAI sends, each with its `sequence_number`, from `response.created` to
   `response.completed` (or `.incomplete`, or `error` then `response.failed`).
+- `include: ["message.output_text.logprobs"]` (with `top_logprobs`): chat's logprobs, in the same
+  shape, on the `output_text` and its deltas.
 - Nothing is stored: `store`, `previous_response_id`, `background` are refused (REFUSED_RESPONSES).
 """
 
@@ -32,6 +34,7 @@ from pegaserve.api.protocol import REFUSED_RESPONSES, ChatCompletionRequest, Res
 _RESPONSES_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens",
                     "response_format": "text.format", "reasoning_effort": "reasoning.effort"}
 _ROLES = ("user", "system", "developer", "assistant")
+LOGPROBS = "message.output_text.logprobs"
 
 
 def responses_job(frontend, body: ResponsesRequest, header_id: str | None) -> tuple[Job, ResponseView]:
@@ -43,6 +46,8 @@ def responses_job(frontend, body: ResponsesRequest, header_id: str | None) -> tu
     for name in ("summary", "generate_summary"):
         if reasoning is not None and getattr(reasoning, name) is not None:
             raise invalid(f"reasoning.{name}", "is not supported: no reasoning is summarized here (only null)")
+    if body.top_logprobs and LOGPROBS not in (body.include or ()):
+        raise invalid("top_logprobs", f'needs include: ["{LOGPROBS}"]')
     try:
         chat = ChatCompletionRequest.model_validate(chat_body(body))
     except ValidationError as exc:
@@ -73,6 +78,8 @@ def chat_body(body: ResponsesRequest) -> dict:
             {"type": "json_schema", "json_schema": {k: x for k, x in schema.items() if x is not None}}
     if body.reasoning is not None and body.reasoning.effort is not None:
         chat["reasoning_effort"] = body.reasoning.effort
+    if LOGPROBS in (body.include or ()):
+        chat.update(logprobs=True, top_logprobs=body.top_logprobs)
     return {k: x for k, x in chat.items() if x is not None}
 
 
@@ -160,6 +167,11 @@ def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+def _logprobs(choice: dict) -> list[dict]:
+    """A chat choice's (or delta's) token logprobs: the Responses API's have the same shape."""
+    return (choice.get("logprobs") or {}).get("content") or []
+
+
 def _usage(usage: dict) -> dict:
     return {"input_tokens": usage["prompt_tokens"],
             "input_tokens_details": {"cached_tokens": usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)},
@@ -207,7 +219,9 @@ class ResponseView:
         choice = chat["choices"][0]
         message, items = choice["message"], _Items()
         if message.get("content") or not message.get("tool_calls"):
-            items.open_message()[0]["content"][0]["text"] = message.get("content") or ""
+            part = items.open_message()[0]["content"][0]
+            part["text"] = message.get("content") or ""
+            part["logprobs"] = _logprobs(choice)
         for i, call in enumerate(message.get("tool_calls") or []):
             items.open_call(i, call["id"], call["function"]["name"])[0]["arguments"] = call["function"]["arguments"]
         return self._finished(items, choice["finish_reason"], chat["usage"])
@@ -231,8 +245,9 @@ class ResponseView:
             usage = chunk.get("usage") or usage
             for choice in chunk["choices"]:
                 delta = choice.get("delta") or {}
-                if delta.get("content"):
-                    for event in self._text(items, delta["content"]):
+                logprobs = _logprobs(choice)
+                if delta.get("content") or logprobs:
+                    for event in self._text(items, delta.get("content") or "", logprobs):
                         yield event
                 for call in delta.get("tool_calls") or []:
                     for event in self._call(items, call):
@@ -245,7 +260,7 @@ class ResponseView:
 
     # --- events -------------------------------------------------------------------------------------
 
-    def _text(self, items: _Items, text: str):
+    def _text(self, items: _Items, text: str, logprobs: list[dict]):
         message, is_new = items.open_message()
         index = items.output.index(message)
         if is_new:
@@ -254,8 +269,9 @@ class ResponseView:
             yield self._event("response.content_part.added", item_id=message["id"], output_index=index,
                               content_index=0, part={"type": "output_text", "text": "", "annotations": []})
         message["content"][0]["text"] += text
+        message["content"][0]["logprobs"] += logprobs
         yield self._event("response.output_text.delta", item_id=message["id"], output_index=index, content_index=0,
-                          delta=text, logprobs=[])
+                          delta=text, logprobs=logprobs)
 
     def _call(self, items: _Items, delta: dict):
         function = delta.get("function") or {}
@@ -274,7 +290,7 @@ class ResponseView:
             if item["type"] == "message":
                 part = item["content"][0]
                 yield self._event("response.output_text.done", item_id=item["id"], output_index=index,
-                                  content_index=0, text=part["text"], logprobs=[])
+                                  content_index=0, text=part["text"], logprobs=part["logprobs"])
                 yield self._event("response.content_part.done", item_id=item["id"], output_index=index,
                                   content_index=0, part=part)
             else:
@@ -315,7 +331,7 @@ class ResponseView:
             "reasoning": {"effort": body.reasoning.effort if body.reasoning else None, "summary": None},
             "service_tier": body.service_tier or "default", "store": False, "temperature": body.temperature,
             "text": {"format": {"type": "text"}, **text}, "tool_choice": body.tool_choice or ("auto" if body.tools else "none"),
-            "tools": body.tools or [], "top_logprobs": 0, "top_p": body.top_p, "truncation": "disabled",
+            "tools": body.tools or [], "top_logprobs": body.top_logprobs, "top_p": body.top_p, "truncation": "disabled",
             "usage": None, "user": body.user, "metadata": body.metadata or {},
         }
 

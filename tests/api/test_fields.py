@@ -91,7 +91,7 @@ BEHAVIOUR = {
         "test_sampling_params::test_a_minus_100_bias_bans_the_greedy_token",
     ],
     "logprobs": [CONTRACT, "test_echo_logprobs::test_echo_with_logprobs_shows_the_prompt_scored_by_the_reference"],
-    "top_logprobs": [CONTRACT],
+    "top_logprobs": [CONTRACT, "test_responses::test_included_logprobs_are_chats"],
     "logprob_token_ids": ["test_echo_logprobs::test_logprob_token_ids_are_exactly_those_tokens_logprobs"],
     "prompt_logprobs": [
         "test_echo_logprobs::test_prompt_logprobs_in_vllms_shape",
@@ -157,6 +157,7 @@ BEHAVIOUR = {
     "reasoning.summary": [BAD_RESPONSES], "reasoning.generate_summary": [BAD_RESPONSES],
     "stream_options.include_obfuscation": [BAD_RESPONSES],
     "truncation": [BAD_RESPONSES],
+    "include": ["test_responses::test_included_logprobs_are_chats", BAD_RESPONSES],
 }
 # accepted, and by definition changing nothing here: (field, a non-default value)
 NO_EFFECT = {
@@ -172,8 +173,8 @@ REFUSED_VALUES = {
     "kv_transfer_params": {"x": 1}, "vllm_xargs": {"x": 1}, "suffix": "tail", "store": True,
     "audio": {"voice": "x"}, "web_search_options": {},
     # the Responses API's: nothing is stored, nor run in the background
-    "previous_response_id": "resp_1", "background": True, "include": ["x"], "top_logprobs": 2, "max_tool_calls": 1,
-    "prompt": {"id": "p"}, "conversation": "c",
+    "previous_response_id": "resp_1", "background": True, "max_tool_calls": 1, "prompt": {"id": "p"},
+    "conversation": "c",
 }
 MODELS = {"completions": CompletionRequest, "chat": ChatCompletionRequest}
 

@@ -156,6 +156,9 @@ BAD = [
     ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
     ({"reasoning": {"effort": "high"}}, "reasoning.effort"),  # the default model's template reads none
     ({"truncation": "auto"}, "truncation"),
+    ({"include": ["message.output_audio"]}, "include"),
+    ({"top_logprobs": 2}, "top_logprobs"),  # without its include
+    ({"top_logprobs": 21, "include": ["message.output_text.logprobs"]}, "top_logprobs"),
     ({"text": {"verbosity": "low"}}, "text"),
     ({"tools": [{"type": "web_search"}]}, "tools[0]"),
     ({"tool_choice": {"type": "file_search"}}, "tool_choice"),
@@ -183,9 +186,35 @@ def test_bad_responses_bodies_are_a_400_naming_the_parameter(real, body, param):
     assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
 
 
-@pytest.mark.parametrize("name", ["user", "metadata", "service_tier", "safety_identifier", "prompt_cache_key"])
+NO_EFFECT_HERE = {**NO_EFFECT, "include": ["reasoning.encrypted_content", "code_interpreter_call.outputs"]}
+
+
+@pytest.mark.parametrize("name", ["user", "metadata", "service_tier", "safety_identifier", "prompt_cache_key",
+                                  "include"])
 def test_labels_and_hints_change_nothing(real, name):
     body = {"input": "hi", "max_output_tokens": 4, "temperature": 0}
     plain = httpx.post(f"{real.base_url}/v1/responses", json=body, timeout=60).json()
-    other = httpx.post(f"{real.base_url}/v1/responses", json={**body, name: NO_EFFECT[name]}, timeout=60).json()
+    other = httpx.post(f"{real.base_url}/v1/responses", json={**body, name: NO_EFFECT_HERE[name]}, timeout=60).json()
     assert other["output"][0]["content"] == plain["output"][0]["content"] and other["usage"] == plain["usage"]
+
+
+def test_included_logprobs_are_chats(real):
+    """`include: ["message.output_text.logprobs"]` with `top_logprobs`: chat's logprobs, in its shape."""
+    chat = httpx.post(f"{real.base_url}/v1/chat/completions", timeout=60, json={
+        "messages": CONVERSATION[1:], "max_tokens": 4, "temperature": 0, "logprobs": True, "top_logprobs": 3}).json()
+    expected = chat["choices"][0]["logprobs"]["content"]
+    body = {"model": "qwen3-tiny", "input": CONVERSATION[1]["content"], "max_output_tokens": 4, "temperature": 0,
+            "include": ["message.output_text.logprobs"], "top_logprobs": 3}
+    response = client(real).responses.create(**body)
+    logprobs = [lp.model_dump() for lp in response.output[0].content[0].logprobs]
+    assert [(lp["token"], lp["bytes"], len(lp["top_logprobs"])) for lp in logprobs] == [
+        (lp["token"], lp["bytes"], 3) for lp in expected]
+    assert [lp["logprob"] for lp in logprobs] == pytest.approx([lp["logprob"] for lp in expected], abs=1e-5)
+    assert response.top_logprobs == 3
+    events = list(client(real).responses.create(stream=True, **body))
+    streamed = [lp.model_dump() for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [lp["token"] for lp in streamed] == [lp["token"] for lp in logprobs]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert [lp.token for lp in done.logprobs] == [lp["token"] for lp in logprobs]
+    plain = client(real).responses.create(**{**body, "include": None, "top_logprobs": None})
+    assert plain.output[0].content[0].logprobs == [] and plain.output_text == response.output_text
