@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pegaserve.engine.request import SampledToken, StepOutput
+from pegaserve.engine.request import SampledToken, StepOutput, add_counts
 from pegaserve.engine.sampler import TokenScore
 from pegaserve.stop import Eos, StopCause, String, Token
 from pegaserve.tokenizer import Detokenizer
@@ -49,13 +49,15 @@ class ChoiceDelta:
     """What the client gets next: text, the tokens released with it, and the finish if this is the
     finishing delta (with `finish` set, every kept token has been released). A choice's first delta
     carries the prompt's scores when the request asked the engine for them, and how many of the
-    prompt's tokens the prefix cache held, where the engine said."""
+    prompt's tokens the prefix cache held, where the engine said; any delta, the predicted-output
+    drafts accepted and rejected since the one before (`StepOutput.prediction_tokens`)."""
 
     text: str
     tokens: tuple[SampledToken, ...]
     finish: StopCause | None = None
     prompt_logprobs: tuple[TokenScore | None, ...] | None = None
     num_cached_tokens: int | None = None
+    prediction_tokens: tuple[int, int] = (0, 0)
 
 
 class ChoiceStream:
@@ -70,6 +72,7 @@ class ChoiceStream:
         self._gate: int | None = 0 if min_tokens == 0 else None  # where stop-string matches may end
         self._prompt_logprobs: tuple[TokenScore | None, ...] | None = None
         self._num_cached_tokens: int | None = None
+        self._prediction_tokens = (0, 0)  # since the last delta
         self._started = False  # whether a delta was released
         self.finish: StopCause | None = None
 
@@ -88,6 +91,7 @@ class ChoiceStream:
             self._prompt_logprobs = output.prompt_logprobs
         if self._num_cached_tokens is None:
             self._num_cached_tokens = output.num_cached_tokens
+        self._prediction_tokens = add_counts(self._prediction_tokens, output.prediction_tokens)
         tokens = output.tokens
         for i, token in enumerate(tokens):
             self._add(token, output.finish if i == len(tokens) - 1 else None)
@@ -133,5 +137,6 @@ class ChoiceStream:
         if not text and not tokens and self.finish is None:
             return None
         first, self._started = not self._started, True
+        prediction, self._prediction_tokens = self._prediction_tokens, (0, 0)
         return ChoiceDelta(text, tokens, self.finish, self._prompt_logprobs if first else None,
-                           self._num_cached_tokens if first else None)
+                           self._num_cached_tokens if first else None, prediction)

@@ -63,8 +63,11 @@ class Job:
         """The prompts once each (their choices share them), every choice's tokens, and the prompt
         tokens the prefix cache held (a prompt's choices share its lookup: its first choice's figure)."""
         cached = [results[p * self.n].num_cached_tokens for p in range(len(self.prompts))]
+        predicted = None
+        if any(p.prediction for p in self.prompts):
+            predicted = tuple(sum(r.prediction_tokens[k] for r in results) for k in (0, 1))
         return Usage(sum(len(p.prompt_token_ids) for p in self.prompts), sum(len(r.tokens) for r in results),
-                     None if None in cached else sum(cached))
+                     None if None in cached else sum(cached), predicted)
 
 
 def new_response_id(prefix: str) -> str:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from pegaserve.api.choice import ChoiceDelta
 from pegaserve.api.tools import ToolPlan, ToolStream, parse
-from pegaserve.engine.request import SampledToken
+from pegaserve.engine.request import SampledToken, add_counts
 from pegaserve.engine.sampler import TokenScore
 from pegaserve.stop import Length, StopCause, finish_reason, stop_reason
 
@@ -33,6 +33,7 @@ class ChoiceResult:
     finish: StopCause | None = None
     prompt_logprobs: tuple[TokenScore | None, ...] | None = None
     num_cached_tokens: int | None = None  # of the prompt's, found in the prefix cache (where the engine said)
+    prediction_tokens: tuple[int, int] = (0, 0)  # predicted-output drafts accepted, rejected
     num_deltas: int = 0
 
     def add(self, delta: ChoiceDelta) -> None:
@@ -43,6 +44,7 @@ class ChoiceResult:
             self.prompt_logprobs = delta.prompt_logprobs
         if delta.num_cached_tokens is not None:
             self.num_cached_tokens = delta.num_cached_tokens
+        self.prediction_tokens = add_counts(self.prediction_tokens, delta.prediction_tokens)
         self.num_deltas += 1
 
 
@@ -51,12 +53,17 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int | None = None  # prompt tokens the prefix cache held, where the engine said
+    prediction_tokens: tuple[int, int] | None = None  # a predicted output's drafts accepted, rejected
 
     def body(self) -> dict:
         body = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
         if self.cached_tokens is not None:
             body["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}  # as OpenAI's
+        if self.prediction_tokens is not None:
+            accepted, rejected = self.prediction_tokens
+            body["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                                 "rejected_prediction_tokens": rejected}
         return body
 
 

@@ -129,7 +129,9 @@ class StepOutput:
     (`Eos`/`Token`/`Length`) always arrives with its trigger, the last of `tokens` (rule 18 holds
     by construction). A request whose prompt was scored carries `prompt_logprobs` on its first
     output: one entry per prompt token, None for the first. A choice's first output also says how
-    many of its prompt's tokens the prefix cache held (`num_cached_tokens`). In the prefill role a
+    many of its prompt's tokens the prefix cache held (`num_cached_tokens`). A step that verified
+    drafts from the request's predicted output says how many of them it kept and how many it did
+    not (`prediction_tokens`: OpenAI's accepted and rejected prediction tokens). In the prefill role a
     choice that parks says where its prompt's KV lies (`parked`: what its lease names).
     """
 
@@ -139,6 +141,7 @@ class StepOutput:
     prompt_logprobs: tuple[TokenScore | None, ...] | None = None
     parked: ParkedKv | None = None
     num_cached_tokens: int | None = None
+    prediction_tokens: tuple[int, int] = (0, 0)
 
     def then(self, later: "StepOutput") -> "StepOutput":
         """This message and a later one of the same choice as one (a consumer that fell behind)."""
@@ -146,7 +149,12 @@ class StepOutput:
         return StepOutput(self.request_id, self.tokens + later.tokens, later.finish,
                           self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
                           self.parked,
-                          self.num_cached_tokens if self.num_cached_tokens is not None else later.num_cached_tokens)
+                          self.num_cached_tokens if self.num_cached_tokens is not None else later.num_cached_tokens,
+                          add_counts(self.prediction_tokens, later.prediction_tokens))
+
+
+def add_counts(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
+    return a[0] + b[0], a[1] + b[1]
 
 
 @dataclass(frozen=True)
@@ -208,6 +216,7 @@ class RequestState:
         self.num_computed_tokens = 0
         self.num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache (None: not looked up)
         self.draft_token_ids: tuple[int, ...] = ()  # speculative proposals for the next step
+        self.drafts_predicted = False  # whether they come from the request's predicted output
         self.prompt_scores: list[TokenScore | None] | None = None if spec.num_prompt_logprobs is None else [None]
         self.forks: list[RequestState] = []  # choices waiting to share this one's prefill
         self.constraint: Constraint | None = None  # its grammar's matcher, made when it first samples here

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from bisect import insort
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pegaserve.engine.config import EngineConfig, Role
 from pegaserve.engine.grammar import Grammars
@@ -284,7 +284,12 @@ class Scheduler:
             stats.num_emitted_tokens += num_accepted + 1
         request.draft_token_ids = ()
         request.num_computed_tokens += scheduled.num_tokens
-        return [self._emit(request, tokens[: num_accepted + 1])]
+        predicted = bool(drafts) and request.drafts_predicted  # (before _emit proposes the next ones)
+        output = self._emit(request, tokens[: num_accepted + 1])
+        if predicted:  # kept: the accepted drafts up to a finish
+            kept = min(num_accepted, len(output.tokens))
+            output = replace(output, prediction_tokens=(kept, len(drafts) - kept))
+        return [output]
 
     def _fork(self, lead: RequestState, scheduled: ScheduledRequest, tokens) -> list[StepOutput]:
         """The prompt is computed: every choice takes its first token, the others sharing the lead's
@@ -348,6 +353,7 @@ class Scheduler:
         if request.spec.prediction:
             drafts = self.predictions.propose(request.request_id, request.spec.prediction, request.output_token_ids,
                                               room)
+        request.drafts_predicted = bool(drafts)
         if not drafts and self.proposer is not None:
             drafts = self.proposer.propose(request.request_id, request.all_token_ids(), room)
         request.draft_token_ids = drafts

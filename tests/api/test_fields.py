@@ -385,14 +385,28 @@ def test_a_predicted_output_changes_no_greedy_token_and_bad_ones_are_a_400(tiny_
         def ask(**body) -> httpx.Response:
             return httpx.post(f"{running.base_url}/v1/chat/completions", json={**chat, **body})
 
-        plain = ask().json()["choices"][0]
-        assert plain["token_ids"] == answer
+        plain_body = ask().json()
+        plain = plain_body["choices"][0]
+        assert plain["token_ids"] == answer and "completion_tokens_details" not in plain_body["usage"]
         half = len(text) // 2
-        for content in (text, [{"type": "text", "text": text[:half]}, {"type": "text", "text": text[half:]}]):
-            before = engine.scheduler.spec_stats.num_accepted_tokens
-            predicted = ask(prediction={"type": "content", "content": content}).json()["choices"][0]
+        stats = engine.scheduler.spec_stats
+        for content in (text, [{"type": "text", "text": text[:half]}, {"type": "text", "text": text[half:]}],
+                        " the quick brown cat sleeps"):
+            before = (stats.num_accepted_tokens, stats.num_draft_tokens)
+            body = ask(prediction={"type": "content", "content": content}).json()
+            predicted = body["choices"][0]
             assert predicted["token_ids"] == plain["token_ids"] and predicted["message"] == plain["message"]
-            assert engine.scheduler.spec_stats.num_accepted_tokens - before >= len(answer) // 2  # drafts taken
+            accepted = stats.num_accepted_tokens - before[0]
+            if content != " the quick brown cat sleeps":
+                assert accepted >= len(answer) // 2  # drafts taken
+            # OpenAI's usage details: the prediction's drafts kept, and those verified and turned away
+            details = body["usage"]["completion_tokens_details"]
+            assert details == {"accepted_prediction_tokens": accepted,
+                               "rejected_prediction_tokens": stats.num_draft_tokens - before[1] - accepted}
+            chunks = sse_chunks(ask(prediction={"type": "content", "content": content}, stream=True,
+                                    stream_options={"include_usage": True}).text)
+            assert chunks[-1]["usage"] == body["usage"]
+        assert 0 < details["rejected_prediction_tokens"]  # the cat
         for bad in ({"type": "content"}, {"type": "diff", "content": "a"}, "aaa",
                     {"type": "content", "content": [{"type": "image_url"}]}):
             refused = ask(prediction=bad)

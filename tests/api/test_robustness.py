@@ -116,7 +116,8 @@ NUMBERS = [(e, name, value) for e in sorted(PATHS) for name in FLOAT_FIELDS for 
 
 @pytest.mark.parametrize("endpoint,name,value", NUMBERS, ids=[f"{e}-{n}-{v!r}" for e, n, v in NUMBERS])
 def test_extreme_numbers_are_a_200_or_a_400(app, endpoint, name, value):
-    logprobs = {"logprobs": 2} if endpoint == "completions" else {"logprobs": True, "top_logprobs": 2}
+    logprobs = {"completions": {"logprobs": 2}, "chat": {"logprobs": True, "top_logprobs": 2},
+                "responses": {"include": ["message.output_text.logprobs"], "top_logprobs": 2}}[endpoint]
     body = {**base_body(endpoint), "max_tokens": 2, **logprobs, name: value}
     response = post(app, endpoint, body)
     if response.status_code == 400:

@@ -10,13 +10,18 @@ import httpx
 import pytest
 from ray import serve
 
+from pegaserve.api.jobs import render_chat
+from pegaserve.api.protocol import ChatMessage
 from pegaserve.testing.contract import answer_from_body, answer_from_sse
+from pegaserve.tokenizer import Tokenizer
 from tests.serve.helpers import deploy, start_ray
 
 pytestmark = pytest.mark.ray
 LOOP = (21, 22, 23, 24)  # "6789"
 PROMPT = (151644, *LOOP * 3)
 SCRIPT = {PROMPT: (*LOOP * 3, 151645, *LOOP * 2)}  # twelve loop tokens, EOS, more loop
+CHAT = [{"role": "user", "content": "hi"}]
+ANSWER = " the quick brown fox jumps over the lazy dog, and over the lazy dog again"
 SPEC = {"method": "ngram", "num_draft_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 CASES = [
     {"max_tokens": 20},  # ends at the scripted EOS, inside an accepted run
@@ -30,10 +35,18 @@ CASES = [
 ]
 
 
+def chat_script(tiny_model_dir) -> dict:
+    """CHAT's prompt, rendered as the chat endpoint does, followed by ANSWER's tokens."""
+    tokenizer = Tokenizer(tiny_model_dir)
+    prompt = render_chat(tokenizer, [ChatMessage(**m) for m in CHAT], True, False, None)
+    encode = tokenizer.backend.encode
+    return {tuple(encode(prompt, add_special_tokens=False).ids): tuple(encode(ANSWER, add_special_tokens=False).ids)}
+
+
 @pytest.fixture(scope="module")
-def urls():
+def urls(tiny_model_dir):
     start_ray()
-    doubles = {"script": SCRIPT}
+    doubles = {"script": {**SCRIPT, **chat_script(tiny_model_dir)}}
     apps = {
         "nospec": deploy("nospec", {"transport": "gloo"}, doubles=doubles),
         "spec": deploy("spec", {"transport": "gloo", "speculative": SPEC}, doubles=doubles),
@@ -77,3 +90,20 @@ def test_drafts_were_proposed_and_accepted(urls):
         assert all(s["mean_tokens_per_step"] is None or s["mean_tokens_per_step"] > 1 for s in engines)
     plain = httpx.get(f"{urls['nospec']}/admin/stats").json()
     assert all(s["num_draft_tokens"] == 0 for s in plain.values())
+
+
+@pytest.mark.parametrize("app", ["nospec", "spec"])
+def test_a_prediction_through_pd_changes_no_token_and_reports_its_drafts(urls, app):
+    """OpenAI's predicted output on P/D (decode drafts from it, with or without `speculative`): the
+    same tokens, and usage says how many of the prediction's drafts were kept or turned away."""
+    body = {"messages": CHAT, "max_tokens": 12, "temperature": 0, "return_token_ids": True}
+    plain = httpx.post(f"{urls['nospec']}/v1/chat/completions", json=body, timeout=60).json()
+    assert plain["choices"][0]["message"]["content"] == ANSWER[:len(plain["choices"][0]["message"]["content"])]
+    for prediction, kept in ((ANSWER, 8), (" the quick brown cat sleeps", 0)):
+        answer = httpx.post(f"{urls[app]}/v1/chat/completions", timeout=60,
+                            json={**body, "prediction": {"type": "content", "content": prediction}}).json()
+        assert answer["choices"] == plain["choices"]
+        details = answer["usage"]["completion_tokens_details"]
+        assert details["accepted_prediction_tokens"] >= kept and details["rejected_prediction_tokens"] >= 0
+        assert details["accepted_prediction_tokens"] + details["rejected_prediction_tokens"] <= 11, details
+    assert "completion_tokens_details" not in plain["usage"]
