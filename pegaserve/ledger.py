@@ -133,7 +133,9 @@ class Ledger:
         self.max_records = max_records
         self._records: OrderedDict[str, _Record] = OrderedDict()
         self._restored: OrderedDict[str, dict] = OrderedDict()
-        self._internal: OrderedDict[str, dict] = OrderedDict()  # finished internal records, as JSON
+        # finished internal records: live ones (late events from other components still land on
+        # them) and, after a restart, their JSON
+        self._internal: OrderedDict[str, _Record | dict] = OrderedDict()
         self._num_violations = 0
         self._status_counts: Counter[str] = Counter()
         self._cause_counts: Counter[str] = Counter()
@@ -154,13 +156,13 @@ class Ledger:
                 except json.JSONDecodeError:
                     continue  # a torn last line from a crash mid-write
                 if record.get("internal", False):
-                    self._keep_internal(record)
+                    self._keep_internal(record["request_id"], record)
                     continue
                 self._restored[record["request_id"]] = record
                 self._restored.move_to_end(record["request_id"])
                 if len(self._restored) > self.max_records:
                     self._restored.popitem(last=False)
-        for record in (*self._restored.values(), *self._internal.values()):
+        for record in (*self._restored.values(), *self._internal.values()):  # all JSON here
             self._count(record["status"], record["stop_cause"]["kind"], record.get("internal", False))
             self._num_violations += len(record["violations"])
 
@@ -172,8 +174,8 @@ class Ledger:
     def record(self, events: list[LedgerEvent], component: str, t: float | None = None) -> None:
         t = time.time() if t is None else t
         for event in events:
-            rec = self._records.get(event.request_id)
-            if rec is None:
+            rec = self._records.get(event.request_id) or self._internal.get(event.request_id)
+            if not isinstance(rec, _Record):
                 rec = self._records[event.request_id] = _Record(event.request_id)
             rec.events.append((_event_name(event), t, component))
             self._apply(rec, event)
@@ -211,11 +213,11 @@ class Ledger:
         self._append_to_journal(rec)
         if rec.internal:  # into its own window
             del self._records[rec.request_id]
-            self._keep_internal(_to_json(rec))
+            self._keep_internal(rec.request_id, rec)
 
-    def _keep_internal(self, record: dict) -> None:
-        self._internal[record["request_id"]] = record
-        self._internal.move_to_end(record["request_id"])
+    def _keep_internal(self, request_id: str, record: _Record | dict) -> None:
+        self._internal[request_id] = record
+        self._internal.move_to_end(request_id)
         if len(self._internal) > max(1, self.max_records // 10):
             self._internal.popitem(last=False)
 
@@ -254,7 +256,10 @@ class Ledger:
         rec = self._records.get(request_id)
         if rec is not None:
             return _to_json(rec)
-        return self._restored.get(request_id) or self._internal.get(request_id)
+        internal = self._internal.get(request_id)
+        if isinstance(internal, _Record):
+            return _to_json(internal)
+        return self._restored.get(request_id) or internal
 
     def summary(self) -> dict:
         in_flight = sum(1 for r in self._records.values() if r.finished is None)

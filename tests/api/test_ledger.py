@@ -110,6 +110,20 @@ def test_internal_records_are_counted_apart_also_after_a_restart(tmp_path):
     assert ledger.get("step")["internal"] and not ledger.get("client")["internal"]
 
 
+def test_an_event_after_an_internal_records_finish_lands_on_that_record():
+    """Prefill's buffered events can reach the ledger after the ingress's finish (sent at once): a beam
+    step's record stays finished and takes them, as a client's record does."""
+    ledger = Ledger()
+    ledger.record([Arrived("step", 3, 1, internal=True), TokensCommitted("step", (9,)),
+                   Finished("step", Length(), 3, 1)], "ingress")
+    ledger.record([Prefilled("step", 9, -0.5, "prefill#1")], "prefill")
+    record = ledger.get("step")
+    assert record["status"] == "finished" and record["first_token"] == {"id": 9, "logprob": -0.5}
+    assert record["violations"] == [] and ledger.summary()["by_status"]["in_flight"] == 0
+    ledger.record([Finished("step", Length(), 3, 1)], "ingress")
+    assert ledger.get("step")["violations"] == ["more than one terminal event"]
+
+
 def test_internal_records_push_out_no_clients_record(tmp_path):
     """A wide beam search makes many one-token internal records: they keep to a window of their own."""
     journal = tmp_path / "ledger.jsonl"
