@@ -29,7 +29,7 @@ from pegaserve.api.clients import EngineClient, LedgerClient
 from pegaserve.engine.engine import EngineOverloaded, RequestRejected
 from pegaserve.engine.request import EngineRequest, SampledToken, StepOutput
 from pegaserve.engine.stream_interval import StreamInterval
-from pegaserve.ledger import Finished, LedgerEvent, Migrated
+from pegaserve.ledger import Finished, LedgerEvent, Migrated, Prefilled
 
 log = logging.getLogger("ray.serve")
 LATE_FRAMES_S = 10.0  # a call may return before its last frames arrive (they travel apart)
@@ -232,6 +232,9 @@ class DisaggregatedClient(_ServeEngineClient):
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[StepOutput]:
         result = await self._prefill(request)
+        # in the ingress's buffer, ahead of the finish: the ledger has prefill's first token when the answer ends
+        self.ledger.queue([Prefilled(o.request_id, o.tokens[0].token_id, o.tokens[0].logprob, result.replica)
+                           for o in result.outputs if o.tokens])
         running = {o.request_id: list(o.tokens) for o in result.outputs if o.finish is None}
         queue = self._track(running)
         lease = result.lease

@@ -16,7 +16,6 @@ from deployments.replica import QUIET, check_engine, ledger_buffer, post_stats_f
 from pegaserve.engine.config import Role
 from pegaserve.engine.request import EngineRequest
 from pegaserve.heap import freeze_startup_heap
-from pegaserve.ledger import Prefilled
 from pegaserve.testing.hook import active_doubles
 
 
@@ -39,9 +38,7 @@ class Prefill:
     async def prefill(self, packed_request: bytes) -> bytes:
         """The packed `PrefillResult` of a packed `EngineRequest` (deployments/calls.py)."""
         request = unpack(packed_request, EngineRequest)
-        outputs = await self.engine.prefill(request)
-        self.ledger.record([Prefilled(o.request_id, o.tokens[0].token_id, o.tokens[0].logprob, self.name)
-                            for o in outputs if o.tokens])
+        outputs = await self.engine.prefill(request)  # the ingress records them in the ledger
         lease = None
         if any(o.finish is None for o in outputs):
             lease = await self.sender.lease(request, outputs)

@@ -93,8 +93,8 @@ def _ledger_phases(system: dict) -> list[str]:
                  "last byte at client": timing["end_s"] + offset, **events}  # fmt: skip
         for label, a, b in (
             ("client send → ingress `arrived` (HTTP proxy, Serve hop, validation, tokenizer)", "sent", "arrived"),
-            ("`arrived` → `prefilled` (prefill queue + forward)", "arrived", "prefilled"),
-            ("`prefilled` → first token at client (back through ingress and proxy)", "prefilled",
+            ("`arrived` → `prefilled` (prefill queue + forward, the result back at the ingress)", "arrived", "prefilled"),
+            ("`prefilled` → first token at client (out through ingress and proxy)", "prefilled",
              "first token at client"),
             ("`prefilled` → `kv_received` (decode call, KV fetch and transfer)", "prefilled", "kv_received"),
             ("`kv_received` → last byte at client (63 decode steps, streamed)", "kv_received", "last byte at client"),

@@ -80,6 +80,8 @@ def test_first_token_stop_moves_no_kv(contract_url):
         assert record["handoff"] is None, name
         assert record["completion_tokens"] == 1 and record["first_token"]["id"] == CASES[index].generated[0]
         assert not any(e["component"].startswith("contract/Decode") for e in record["events"]), name
+        names = [e["name"] for e in record["events"]]  # the ingress records prefill's token ahead of the finish
+        assert names.index("prefilled") < names.index("finished") and record["violations"] == [], name
     wait_for_idle_pools(contract_url, replicas=2)
 
 
