@@ -84,6 +84,8 @@ class AppArgs(BaseModel):
         "token and the finish are never held); more trades streaming granularity for throughput"
     )
     ledger_max_records: int = Field(10_000, ge=1)
+    max_stored_responses: int = Field(
+        1000, ge=1, description="the Responses API's stored responses (store: true) kept, the most recent")
     ledger_orphan_timeout_s: float = Field(
         30.0, ge=1, description="an ingress replica silent this long has died: its open records end as errors")
     ledger_journal: str | None = Field(

@@ -12,6 +12,7 @@ from deployments.clients import ActorLedgerClient, ColocatedClient, Disaggregate
 from deployments.config import AppArgs
 from deployments.metrics import HttpStatusMetrics, IngressMetrics
 from deployments.replica import ledger_buffer, replica_name
+from deployments.response_store import ActorResponseStore
 from deployments.tokens import TokenInbox
 from pegaserve.api.app import build_app
 from pegaserve.api.frontend import Frontend
@@ -44,7 +45,8 @@ class Ingress:
             engine = DisaggregatedClient(prefill, decode, self.inbox, self.name, info.name, self.args.max_migrations,
                                          ledger, self.args.stream_interval)
         limits = Limits(**self.args.limits.model_dump(), scheduling_policy=self.args.engine.scheduling_policy)
-        self.frontend = Frontend(engine, tokenizer, info, ledger, limits, IngressMetrics(info.name))
+        responses = ActorResponseStore(self.args.max_stored_responses, buffer.detached)
+        self.frontend = Frontend(engine, tokenizer, info, ledger, limits, IngressMetrics(info.name), responses)
         freeze_startup_heap()
 
     def __serve_build_asgi_app__(self):

@@ -7,7 +7,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import orjson
 from fastapi import FastAPI, Request
@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pegaserve.api import tokenize
 from pegaserve.api.body import parse_body
-from pegaserve.api.errors import ApiError
+from pegaserve.api.errors import ApiError, invalid
 from pegaserve.api.frontend import FAILED, Frontend, Job
 from pegaserve.api.guards import Guards
 from pegaserve.api.jobs import chat_job, completion_job
@@ -29,7 +29,7 @@ from pegaserve.api.protocol import (
     SamplingKnobs,
     TokenizeRequest,
 )
-from pegaserve.api.responses import ResponseView, responses_job
+from pegaserve.api.responses import ResponseView, continued, responses_job
 from pegaserve.api.validation import check_model
 
 log = logging.getLogger(__name__)
@@ -86,12 +86,47 @@ def build_app(frontend: Frontend, api_keys: tuple[str, ...] = (), max_inflight: 
 
     @app.post("/v1/responses")
     async def responses(request: Request):
-        def build() -> tuple[Job, ResponseView]:
-            body = parse_body(raw, ResponsesRequest)
-            return responses_job(frontend, body, _client_id(request, body, echo_request_id))
-
         raw = await request.body()
+        body = await off_the_loop_if_large(raw, lambda: parse_body(raw, ResponsesRequest))
+        previous = await continued(frontend.responses, body)
+
+        def build() -> tuple[Job, ResponseView]:
+            return responses_job(frontend, body, _client_id(request, body, echo_request_id), previous)
+
         return await _respond(frontend, *await off_the_loop_if_large(raw, build), echo_request_id=echo_request_id)
+
+    async def stored(response_id: str) -> dict:
+        found = await frontend.responses.get(response_id)
+        if found is None:
+            raise ApiError(f"no stored response {response_id[:80]!r}", param="response_id", status=404)
+        return found
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(response_id: str, stream: bool = False) -> dict:
+        if stream:
+            raise invalid("stream", "a stored response is read whole here (only false)")
+        return (await stored(response_id))["response"]
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def stored_input_items(response_id: str, order: Literal["asc", "desc"] = "desc", limit: int = 20,
+                                 after: str | None = None) -> dict:
+        if not 1 <= limit <= 100:
+            raise invalid("limit", f"must be in [1, 100], got {limit}")
+        items = (await stored(response_id))["input"][:: 1 if order == "asc" else -1]
+        ids = [item["id"] for item in items]
+        if after is not None:
+            if after not in ids:
+                raise invalid("after", f"no input item {after[:80]!r} in this response")
+            items = items[ids.index(after) + 1:]
+        page = items[:limit]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict:
+        if not await frontend.responses.delete(response_id):
+            raise ApiError(f"no stored response {response_id[:80]!r}", param="response_id", status=404)
+        return {"id": response_id, "object": "response", "deleted": True}
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> dict:
@@ -144,7 +179,7 @@ async def _respond(frontend: Frontend, job: Job, view: ResponseView | None = Non
     headers = {"X-Request-Id": job.client_request_id or job.response_id} if echo_request_id else {}
     if not job.stream:
         body = await frontend.complete(job)
-        return JSONResponse(body if view is None else view.response(body), headers=headers)
+        return JSONResponse(body if view is None else await view.response(body), headers=headers)
     chunks = frontend.stream(job) if view is None else view.events(frontend.stream(job))
     first = await anext(chunks, None)  # admission errors (400, 429) still get their HTTP status
     return StreamingResponse(_sse(first, chunks, named=view is not None), media_type="text/event-stream",
@@ -192,7 +227,10 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return ApiError("invalid request", param=None).response()  # bodies are parsed by `parse_body`
+        # bodies are parsed by `parse_body`: this is a query parameter (GET /v1/responses/{id}...)
+        error = (exc.errors() or [{}])[0]
+        name = str(error.get("loc", ("", None))[-1]) if error.get("loc") else None
+        return ApiError(f"{name}: {error.get('msg', 'invalid')}" if name else "invalid request", param=name).response()
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception) -> JSONResponse:

@@ -20,6 +20,7 @@ from pegaserve.api.errors import ApiError
 from pegaserve.api.ledger_view import ledger_view
 from pegaserve.api.model_info import ModelInfo
 from pegaserve.api.observer import RequestObserver
+from pegaserve.api.response_store import MemoryResponseStore, ResponseStore
 from pegaserve.api.validation import Limits, PromptPlan
 from pegaserve.api.wire import ChoiceResult, Usage, Wire
 from pegaserve.engine.engine import EngineOverloaded, RequestRejected
@@ -78,13 +79,15 @@ class Frontend:
     """Runs a request's choices on an engine client, applies stop strings, tells the ledger."""
 
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, model: ModelInfo, ledger: LedgerClient,
-                 limits: Limits = Limits(), observer: RequestObserver | None = None) -> None:
+                 limits: Limits = Limits(), observer: RequestObserver | None = None,
+                 responses: ResponseStore | None = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model = model
         self.ledger = ledger
         self.limits = limits
         self.observer = observer or RequestObserver()
+        self.responses = responses or MemoryResponseStore()  # the Responses API's stored responses
 
     async def complete(self, job: Job) -> dict:
         """Non-streaming: run every choice to its end, then one body."""

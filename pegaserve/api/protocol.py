@@ -177,7 +177,8 @@ Includable = Literal["message.output_text.logprobs", "reasoning.encrypted_conten
 class ResponsesRequest(SamplingKnobs):
     """OpenAI's Responses API (pegaserve/api/responses.py), run as a chat completion: `input` and
     `instructions` become the messages, `max_output_tokens` the length limit, `text.format` the
-    response format, `reasoning.effort` the template's reasoning effort. Nothing is stored."""
+    response format, `reasoning.effort` the template's reasoning effort; stored unless `store` is
+    false, for `previous_response_id` to continue."""
 
     input: str | list[dict[str, JsonValue]]
     instructions: str | None = None
@@ -191,7 +192,7 @@ class ResponsesRequest(SamplingKnobs):
     reasoning: ResponseReasoning | None = None
     truncation: Literal["disabled"] = "disabled"  # "auto" is refused: a prompt past the context is a 400
     chat_template_kwargs: dict[str, JsonValue] | None = None  # vLLM's, as chat's
-    metadata: dict[str, str] | None = None  # no effect: nothing is stored
+    metadata: dict[str, str] | None = None  # echoed in the response (and kept with it when stored)
     service_tier: Literal["auto", "default"] | None = None  # no effect: one tier
     safety_identifier: str | None = None  # no effect: an end-user label, as `user`
     prompt_cache_key: str | None = None  # no effect: a routing hint; the prefix cache needs none
@@ -199,9 +200,10 @@ class ResponsesRequest(SamplingKnobs):
     # others add what no output here holds (reasoning, hosted tools' calls, images): no effect
     include: list[Includable] | None = None
     top_logprobs: StrictInt = 0
-    # Refused unless at their defaults (`REFUSED_RESPONSES`): nothing is stored, nor run in the background
-    store: StrictBool = False
+    store: StrictBool = True  # kept for `previous_response_id` and GET /v1/responses/{id} (response_store.py)
     previous_response_id: str | None = None
+    # Refused unless at their defaults (`REFUSED_RESPONSES`): nothing runs in the background, and
+    # conversations and prompts are not kept here
     background: StrictBool = False
     max_tool_calls: StrictInt | None = None
     prompt: JsonValue = None
@@ -211,7 +213,7 @@ class ResponsesRequest(SamplingKnobs):
 REFUSED_SHARED = ("kv_transfer_params", "vllm_xargs")
 REFUSED_COMPLETION = (*REFUSED_SHARED, "suffix")
 REFUSED_CHAT = (*REFUSED_SHARED, "store", "audio", "web_search_options")
-REFUSED_RESPONSES = ("store", "previous_response_id", "background", "max_tool_calls", "prompt", "conversation")
+REFUSED_RESPONSES = ("background", "max_tool_calls", "prompt", "conversation")
 
 
 class TokenizeRequest(Body):

@@ -11,7 +11,10 @@ prompt, the stop contract, tools, structured output, the ledger and P/D, whichev
   `response.completed` (or `.incomplete`, or `error` then `response.failed`).
 - `include: ["message.output_text.logprobs"]` (with `top_logprobs`): chat's logprobs, in the same
   shape, on the `output_text` and its deltas.
-- Nothing is stored: `store`, `previous_response_id`, `background` are refused (REFUSED_RESPONSES).
+- `store` (on by default): the response is kept (pegaserve/api/response_store.py) before its last
+  event, for `previous_response_id` to continue (its input and output items come before the new
+  input; its instructions do not carry over) and for `GET`/`DELETE /v1/responses/{id}`.
+  `background` and server-side conversations are refused (REFUSED_RESPONSES).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from pegaserve.api.errors import ApiError, invalid
 from pegaserve.api.frontend import Job, new_response_id
 from pegaserve.api.jobs import chat_job
 from pegaserve.api.protocol import REFUSED_RESPONSES, ChatCompletionRequest, ResponsesRequest, SamplingKnobs
+from pegaserve.api.response_store import ResponseStore
 
 # chat's names for what the Responses API calls otherwise, for the 400s
 _RESPONSES_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens",
@@ -37,9 +41,22 @@ _ROLES = ("user", "system", "developer", "assistant")
 LOGPROBS = "message.output_text.logprobs"
 
 
-def responses_job(frontend, body: ResponsesRequest, header_id: str | None) -> tuple[Job, ResponseView]:
-    """The chat job that runs `body`, under a `resp_` id (the ledger's key too), and its view."""
-    v.check_refused(body, REFUSED_RESPONSES, "is not supported: responses are not stored here")
+async def continued(store: ResponseStore, body: ResponsesRequest) -> dict | None:
+    """The stored response that `body` continues (`previous_response_id`), if it names one."""
+    if body.previous_response_id is None:
+        return None
+    stored = await store.get(body.previous_response_id)
+    if stored is None:
+        raise invalid("previous_response_id", f"no stored response {body.previous_response_id[:80]!r} (it was "
+                                              "not stored, was deleted, or is past the store's most recent)")
+    return stored
+
+
+def responses_job(frontend, body: ResponsesRequest, header_id: str | None,
+                  previous: dict | None = None) -> tuple[Job, ResponseView]:
+    """The chat job that runs `body` (continuing `previous`, a stored response), under a `resp_`
+    id (the ledger's key too), and its view."""
+    v.check_refused(body, REFUSED_RESPONSES, "is not supported here")
     if body.stream_options is not None and body.stream_options.include_obfuscation:
         raise invalid("stream_options.include_obfuscation", "is not supported (only false)")
     reasoning = body.reasoning
@@ -48,8 +65,9 @@ def responses_job(frontend, body: ResponsesRequest, header_id: str | None) -> tu
             raise invalid(f"reasoning.{name}", "is not supported: no reasoning is summarized here (only null)")
     if body.top_logprobs and LOGPROBS not in (body.include or ()):
         raise invalid("top_logprobs", f'needs include: ["{LOGPROBS}"]')
+    history = previous["items"] if previous is not None else []
     try:
-        chat = ChatCompletionRequest.model_validate(chat_body(body))
+        chat = ChatCompletionRequest.model_validate(chat_body(body, history))
     except ValidationError as exc:
         raise _renamed(complaint(exc)) from None
     try:
@@ -58,13 +76,15 @@ def responses_job(frontend, body: ResponsesRequest, header_id: str | None) -> tu
         raise _renamed(exc) from None
     response_id = new_response_id("resp").replace("-", "_")
     job = replace(job, response_id=response_id, include_usage=True, continuous_usage=False)
-    return job, ResponseView(body, response_id, job.wire.model)
+    store = frontend.responses if body.store else None
+    return job, ResponseView(body, response_id, job.wire.model, store, history)
 
 
-def chat_body(body: ResponsesRequest) -> dict:
-    """The chat request that `body` is: its messages, tools, format and limits in chat's words."""
+def chat_body(body: ResponsesRequest, history: list[dict] = ()) -> dict:
+    """The chat request that `body` is (after the conversation `history`, items): its messages,
+    tools, format and limits in chat's words."""
     chat = body.model_dump(include=set(SamplingKnobs.model_fields), exclude_unset=True)
-    chat.update(messages=_messages(body), stream=body.stream, max_completion_tokens=body.max_output_tokens,
+    chat.update(messages=_messages(body, history), stream=body.stream, max_completion_tokens=body.max_output_tokens,
                 parallel_tool_calls=body.parallel_tool_calls, chat_template_kwargs=body.chat_template_kwargs)
     if body.tools is not None:
         chat["tools"] = [_chat_tool(i, tool) for i, tool in enumerate(body.tools)]
@@ -83,11 +103,16 @@ def chat_body(body: ResponsesRequest) -> dict:
     return {k: x for k, x in chat.items() if x is not None}
 
 
-def _messages(body: ResponsesRequest) -> list[dict]:
-    messages = [] if body.instructions is None else [{"role": "system", "content": body.instructions}]
+def input_items(body: ResponsesRequest) -> list[dict]:
+    """`input` as items (a string is one user message)."""
     if isinstance(body.input, str):
-        return [*messages, {"role": "user", "content": body.input}]
-    for i, item in enumerate(body.input):
+        return [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": body.input}]}]
+    return body.input
+
+
+def _messages(body: ResponsesRequest, history: list[dict]) -> list[dict]:
+    messages = [] if body.instructions is None else [{"role": "system", "content": body.instructions}]
+    for i, item in enumerate([*history, *input_items(body)], start=-len(history)):  # history's: checked before
         kind = item.get("type", "message")
         if kind == "message":
             messages.append(_message(i, item))
@@ -207,15 +232,18 @@ class _Items:
 class ResponseView:
     """A chat completion (its body, or its chunks) as the Responses API's response (or events)."""
 
-    def __init__(self, body: ResponsesRequest, response_id: str, model: str) -> None:
+    def __init__(self, body: ResponsesRequest, response_id: str, model: str, store: ResponseStore | None = None,
+                 history: list[dict] = ()) -> None:
         self.body = body
         self.id = response_id
         self.model = model
+        self.store = store  # None: not stored
+        self.history = list(history)
         self.created_at = int(time.time())
         self._sequence = 0
 
-    def response(self, chat: dict) -> dict:
-        """A whole chat completion as a whole response."""
+    async def response(self, chat: dict) -> dict:
+        """A whole chat completion as a whole response (stored, if it is to be, first)."""
         choice = chat["choices"][0]
         message, items = choice["message"], _Items()
         if message.get("content") or not message.get("tool_calls"):
@@ -224,7 +252,15 @@ class ResponseView:
             part["logprobs"] = _logprobs(choice)
         for i, call in enumerate(message.get("tool_calls") or []):
             items.open_call(i, call["id"], call["function"]["name"])[0]["arguments"] = call["function"]["arguments"]
-        return self._finished(items, choice["finish_reason"], chat["usage"])
+        return await self._kept(self._finished(items, choice["finish_reason"], chat["usage"]))
+
+    async def _kept(self, response: dict) -> dict:
+        """`response`, once stored: before the client can name it as a previous response."""
+        if self.store is not None:
+            given = [{"id": _id("msg"), "type": "message", **item} for item in input_items(self.body)]
+            await self.store.put(self.id, {"response": response, "input": given,
+                                           "items": [*self.history, *given, *response["output"]]})
+        return response
 
     async def events(self, chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
         """A chat completion's chunks as the response's events. The first chunk is awaited before
@@ -240,7 +276,7 @@ class ResponseView:
                                   param=error.get("param"))
                 failed = self._response("failed", items.output)
                 failed["error"] = {"code": "server_error", "message": error.get("message")}
-                yield self._event("response.failed", response=failed)
+                yield self._event("response.failed", response=await self._kept(failed))
                 return
             usage = chunk.get("usage") or usage
             for choice in chunk["choices"]:
@@ -256,7 +292,7 @@ class ResponseView:
         status, _ = self._status(finish)
         for event in self._close(items, status):
             yield event
-        yield self._event(f"response.{status}", response=self._finished(items, finish, usage))
+        yield self._event(f"response.{status}", response=await self._kept(self._finished(items, finish, usage)))
 
     # --- events -------------------------------------------------------------------------------------
 
@@ -327,9 +363,10 @@ class ResponseView:
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
             "background": False, "error": None, "incomplete_details": None, "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens, "max_tool_calls": None, "model": self.model,
-            "output": list(output), "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": None,
+            "output": list(output), "parallel_tool_calls": body.parallel_tool_calls,
+            "previous_response_id": body.previous_response_id,
             "reasoning": {"effort": body.reasoning.effort if body.reasoning else None, "summary": None},
-            "service_tier": body.service_tier or "default", "store": False, "temperature": body.temperature,
+            "service_tier": body.service_tier or "default", "store": body.store, "temperature": body.temperature,
             "text": {"format": {"type": "text"}, **text}, "tool_choice": body.tool_choice or ("auto" if body.tools else "none"),
             "tools": body.tools or [], "top_logprobs": body.top_logprobs, "top_p": body.top_p, "truncation": "disabled",
             "usage": None, "user": body.user, "metadata": body.metadata or {},

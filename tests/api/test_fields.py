@@ -157,6 +157,9 @@ BEHAVIOUR = {
     "reasoning.summary": [BAD_RESPONSES], "reasoning.generate_summary": [BAD_RESPONSES],
     "stream_options.include_obfuscation": [BAD_RESPONSES],
     "truncation": [BAD_RESPONSES],
+    "store": ["test_responses::test_stored_responses_are_read_listed_and_deleted"],
+    "previous_response_id": ["test_responses::test_previous_response_id_continues_its_conversation",
+                             "test_responses::test_stored_responses_are_read_listed_and_deleted"],
     "include": ["test_responses::test_included_logprobs_are_chats", BAD_RESPONSES],
 }
 # accepted, and by definition changing nothing here: (field, a non-default value)
@@ -172,8 +175,8 @@ NO_EFFECT = {
 REFUSED_VALUES = {
     "kv_transfer_params": {"x": 1}, "vllm_xargs": {"x": 1}, "suffix": "tail", "store": True,
     "audio": {"voice": "x"}, "web_search_options": {},
-    # the Responses API's: nothing is stored, nor run in the background
-    "previous_response_id": "resp_1", "background": True, "max_tool_calls": 1, "prompt": {"id": "p"},
+    # the Responses API's: nothing runs in the background; no server-side conversations or prompts
+    "background": True, "max_tool_calls": 1, "prompt": {"id": "p"},
     "conversation": "c",
 }
 MODELS = {"completions": CompletionRequest, "chat": ChatCompletionRequest}

@@ -5,6 +5,7 @@ naming the Responses parameter."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -12,6 +13,7 @@ import openai
 import pytest
 
 from pegaserve.api.protocol import REFUSED_RESPONSES, ResponsesRequest
+from pegaserve.api.response_store import MemoryResponseStore
 from pegaserve.api.responses import chat_body
 from tests.api.test_fields import NO_EFFECT, REFUSED_VALUES
 from tests.api.test_tools import TIME, WEATHER, tools_app
@@ -173,7 +175,7 @@ BAD = [
 
 
 @pytest.mark.parametrize("name", REFUSED_RESPONSES)
-def test_what_is_not_stored_or_run_in_the_background_is_a_400_naming_it(real, name):
+def test_what_is_not_served_is_a_400_naming_it(real, name):
     response = httpx.post(f"{real.base_url}/v1/responses", json={"input": "hi", name: REFUSED_VALUES[name]}, timeout=60)
     assert response.status_code == 400 and response.json()["error"]["param"] == name, response.text
     ok = httpx.post(f"{real.base_url}/v1/responses", json={"input": "hi", "max_output_tokens": 2, name: None})
@@ -218,3 +220,70 @@ def test_included_logprobs_are_chats(real):
     assert [lp.token for lp in done.logprobs] == [lp["token"] for lp in logprobs]
     plain = client(real).responses.create(**{**body, "include": None, "top_logprobs": None})
     assert plain.output[0].content[0].logprobs == [] and plain.output_text == response.output_text
+
+
+def test_previous_response_id_continues_its_conversation(real):
+    """The stored response's input and output come before the new input; its instructions do not
+    carry over (OpenAI's rule). Streamed, a response is stored before its last event."""
+    first = client(real).responses.create(model="qwen3-tiny", instructions="Be brief.", input="Name a colour.",
+                                          max_output_tokens=6, temperature=0)
+    assert first.store is True and first.previous_response_id is None
+    messages = [CONVERSATION[1], {"role": "assistant", "content": first.output_text},
+                {"role": "user", "content": "Another?"}]
+    chat = httpx.post(f"{real.base_url}/v1/chat/completions", timeout=60, json={
+        "messages": messages, "max_completion_tokens": 6, "temperature": 0}).json()
+    second = client(real).responses.create(model="qwen3-tiny", previous_response_id=first.id, input="Another?",
+                                           max_output_tokens=6, temperature=0)
+    assert second.previous_response_id == first.id and second.output_text == chat["choices"][0]["message"]["content"]
+    assert second.usage.input_tokens == chat["usage"]["prompt_tokens"]
+    events = list(client(real).responses.create(model="qwen3-tiny", previous_response_id=first.id, input="Another?",
+                                                max_output_tokens=6, temperature=0, stream=True))
+    third = client(real).responses.create(model="qwen3-tiny", previous_response_id=events[-1].response.id,
+                                          input="And?", max_output_tokens=2, temperature=0)
+    chat = httpx.post(f"{real.base_url}/v1/chat/completions", timeout=60, json={
+        "messages": [*messages, {"role": "assistant", "content": second.output_text}, {"role": "user", "content": "And?"}],
+        "max_completion_tokens": 2, "temperature": 0}).json()
+    assert third.output_text == chat["choices"][0]["message"]["content"]
+    assert third.usage.input_tokens == chat["usage"]["prompt_tokens"]
+
+
+def test_stored_responses_are_read_listed_and_deleted(real):
+    items = [{"role": "user", "content": "One."}, {"role": "assistant", "content": "Two."},
+             {"type": "message", "id": "msg_mine", "role": "user", "content": [{"type": "input_text", "text": "3"}]}]
+    created = httpx.post(f"{real.base_url}/v1/responses", timeout=60,
+                         json={"input": items, "max_output_tokens": 3, "metadata": {"k": "v"}}).json()
+    url = f"{real.base_url}/v1/responses/{created['id']}"
+    assert httpx.get(url).json() == created
+    assert client(real).responses.retrieve(created["id"]).output_text == created["output"][0]["content"][0]["text"]
+    listed = client(real).responses.input_items.list(created["id"], order="asc")
+    assert [i.role for i in listed.data] == ["user", "assistant", "user"] and listed.data[-1].id == "msg_mine"
+    newest = httpx.get(f"{url}/input_items", params={"limit": 1}).json()  # newest first, as OpenAI's default
+    assert [i["id"] for i in newest["data"]] == ["msg_mine"] and newest["has_more"]
+    rest = httpx.get(f"{url}/input_items", params={"after": "msg_mine"}).json()
+    assert [i["role"] for i in rest["data"]] == ["assistant", "user"] and not rest["has_more"]
+    for params, param in (({"limit": 0}, "limit"), ({"order": "up"}, "order"), ({"after": "msg_x"}, "after"),
+                          ({"stream": "true"}, "stream")):
+        path = url if param == "stream" else f"{url}/input_items"
+        bad = httpx.get(path, params=params)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+    client(real).responses.delete(created["id"])
+    for gone in (httpx.get(url), httpx.delete(url), httpx.get(f"{url}/input_items")):
+        assert gone.status_code == 404 and gone.json()["error"]["param"] == "response_id"
+    refused = httpx.post(f"{real.base_url}/v1/responses", json={"input": "hi", "previous_response_id": created["id"]})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "previous_response_id"
+    unstored = httpx.post(f"{real.base_url}/v1/responses", timeout=60,
+                          json={"input": "hi", "max_output_tokens": 2, "store": False}).json()
+    assert unstored["store"] is False and httpx.get(f"{real.base_url}/v1/responses/{unstored['id']}").status_code == 404
+
+
+def test_the_store_keeps_the_most_recent():
+    store = MemoryResponseStore(max_responses=2)
+
+    async def run() -> list:
+        for key in ("a", "b"):
+            await store.put(key, {"response": key})
+        await store.get("a")  # read: kept over b
+        await store.put("c", {"response": "c"})
+        return [await store.get(key) for key in ("a", "b", "c")] + [await store.delete("c"), await store.delete("c")]
+
+    assert asyncio.run(run()) == [{"response": "a"}, None, {"response": "c"}, True, False]

@@ -143,6 +143,14 @@ def test_a_response_through_pd_is_its_chat_completion_streamed_and_not(gloo_url)
     assert events[-1].type == "response.incomplete" and events[-1].response.usage.output_tokens == 8
     record = httpx.get(f"{gloo_url}/admin/ledger/{response.id}").json()
     assert record["status"] == "finished" and record["handoff"]["fallback"] is None and record["violations"] == []
+    # stored in the store actor every ingress replica shares, and continued from there
+    assert client.responses.retrieve(events[-1].response.id).output_text == response.output_text
+    follow = [*messages[1:], {"role": "assistant", "content": response.output_text}, {"role": "user", "content": "Six?"}]
+    chat = client.chat.completions.create(model="qwen3-tiny", messages=follow, max_completion_tokens=4, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    continued = client.responses.create(**{**body, "instructions": None, "max_output_tokens": 4, "input": "Six?"},
+                                        previous_response_id=response.id)
+    assert continued.output_text == chat.choices[0].message.content
 
 
 def test_n_choices_share_one_handoff_recorded_per_choice(gloo_url):

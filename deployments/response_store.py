@@ -1,0 +1,47 @@
+"""The Responses API's stored responses (`pegaserve.api.response_store`) as one named Ray actor,
+shared by every ingress replica: a response stored through one is continued through another."""
+
+from __future__ import annotations
+
+import ray
+
+from deployments.ledger import NAMESPACE, DetachedCalls
+from pegaserve.api.response_store import MemoryResponseStore, ResponseStore
+
+RESPONSE_STORE_NAME = "pegaserve-responses"
+
+
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
+class ResponseStoreActor:
+    """Memory only: restarted by Ray when it dies, it has lost what it held (a continuation of a
+    lost response is a 400 naming `previous_response_id`)."""
+
+    def __init__(self, max_responses: int) -> None:
+        self.store = MemoryResponseStore(max_responses)
+
+    async def put(self, response_id: str, stored: dict) -> None:
+        await self.store.put(response_id, stored)
+
+    async def get(self, response_id: str) -> dict | None:
+        return await self.store.get(response_id)
+
+    async def delete(self, response_id: str) -> bool:
+        return await self.store.delete(response_id)
+
+
+class ActorResponseStore(ResponseStore):
+    """The store actor, called off the request (`DetachedCalls`: a cancelled client leaves no gap)."""
+
+    def __init__(self, max_responses: int, detached: DetachedCalls) -> None:
+        self.actor = ResponseStoreActor.options(name=RESPONSE_STORE_NAME, namespace=NAMESPACE, get_if_exists=True,
+                                                lifetime="detached").remote(max_responses)
+        self.detached = detached
+
+    async def put(self, response_id: str, stored: dict) -> None:
+        await self.detached.call(lambda: self.actor.put.remote(response_id, stored))
+
+    async def get(self, response_id: str) -> dict | None:
+        return await self.detached.call(lambda: self.actor.get.remote(response_id))
+
+    async def delete(self, response_id: str) -> bool:
+        return await self.detached.call(lambda: self.actor.delete.remote(response_id))

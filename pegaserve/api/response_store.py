@@ -1,0 +1,52 @@
+"""Stored responses, the Responses API's `store` (on by default, as OpenAI's): what
+`previous_response_id` continues, and what `GET` and `DELETE /v1/responses/{id}` (and its
+`/input_items`) read.
+
+A stored response is `{"response": <the response object>, "input": <its input items>, "items":
+<the conversation it continues, then its input and output items>}` — JSON, so that it crosses
+Ray as it is. Instructions are not part of the conversation: a response continued from another
+does not inherit them (OpenAI's rule). The store keeps the most recent `max_responses` in memory;
+behind Ray one store actor serves every ingress replica (deployments/response_store.py).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+
+MAX_RESPONSES = 1000
+
+
+class ResponseStore(ABC):
+    @abstractmethod
+    async def put(self, response_id: str, stored: dict) -> None: ...
+
+    @abstractmethod
+    async def get(self, response_id: str) -> dict | None: ...
+
+    @abstractmethod
+    async def delete(self, response_id: str) -> bool:
+        """Whether it was there."""
+
+
+class MemoryResponseStore(ResponseStore):
+    """The most recent `max_responses`, the oldest dropped first (reading one keeps it)."""
+
+    def __init__(self, max_responses: int = MAX_RESPONSES) -> None:
+        self.max_responses = max_responses
+        self._stored: OrderedDict[str, dict] = OrderedDict()
+
+    async def put(self, response_id: str, stored: dict) -> None:
+        self._stored[response_id] = stored
+        self._stored.move_to_end(response_id)
+        while len(self._stored) > self.max_responses:
+            self._stored.popitem(last=False)
+
+    async def get(self, response_id: str) -> dict | None:
+        stored = self._stored.get(response_id)
+        if stored is not None:
+            self._stored.move_to_end(response_id)
+        return stored
+
+    async def delete(self, response_id: str) -> bool:
+        return self._stored.pop(response_id, None) is not None
