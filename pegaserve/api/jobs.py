@@ -66,10 +66,7 @@ def chat_job(frontend: Frontend, body: ChatCompletionRequest, header_id: str | N
     v.check_common(body, 1, frontend.limits)
     num_top, listed = v.listed_logprobs(body, frontend.model, v.check_chat(body, frontend.limits))
     tools, tool_plan, tool_grammar = chat_tools(body)
-    text = render_chat(frontend.tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,
-                       body.chat_template_kwargs, tools, *template_fields(frontend, body))
-    ids = v.check_prompt_ids(encode(frontend.tokenizer, text, body.add_special_tokens), body, frontend.model,
-                             "messages", frontend.limits)
+    ids = v.check_prompt_ids(chat_prompt_ids(frontend, body, tools), body, frontend.model, "messages", frontend.limits)
     max_tokens = (body.max_completion_tokens, "max_completion_tokens")
     if body.max_completion_tokens is None:
         max_tokens = (body.max_tokens, "max_tokens")
@@ -85,6 +82,14 @@ def chat_job(frontend: Frontend, body: ChatCompletionRequest, header_id: str | N
     response_id = new_response_id("chatcmpl")
     wire = _wire(frontend, body, Endpoint.CHAT, response_id, num_top, role=role, tools=tool_plan)
     return _job(body, response_id, header_id, [plan], wire, beam)
+
+
+def chat_prompt_ids(frontend: Frontend, body: ChatCompletionRequest, tools: list[dict] | None) -> list[int]:
+    """The prompt's token ids: `body`'s messages (and `tools`, as `chat_tools` gives them) rendered
+    with the chat template, unchecked."""
+    text = render_chat(frontend.tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,
+                       body.chat_template_kwargs, tools, *template_fields(frontend, body))
+    return encode(frontend.tokenizer, text, body.add_special_tokens)
 
 
 def predicted_tokens(frontend: Frontend, body: ChatCompletionRequest, no_drafts: bool) -> tuple[int, ...]:

@@ -190,7 +190,8 @@ class ResponsesRequest(SamplingKnobs):
     parallel_tool_calls: StrictBool = True
     text: ResponseText | None = None
     reasoning: ResponseReasoning | None = None
-    truncation: Literal["disabled"] = "disabled"  # "auto" is refused: a prompt past the context is a 400
+    # "auto": items left out from the conversation's start until it fits the context (responses.py)
+    truncation: Literal["auto", "disabled"] = "disabled"
     chat_template_kwargs: dict[str, JsonValue] | None = None  # vLLM's, as chat's
     metadata: dict[str, str] | None = None  # echoed in the response (and kept with it when stored)
     service_tier: Literal["auto", "default"] | None = None  # no effect: one tier

@@ -15,6 +15,7 @@ prompt, the stop contract, tools, structured output, the ledger and P/D, whichev
   event, for `previous_response_id` to continue (its input and output items come before the new
   input; its instructions do not carry over) and for `GET`/`DELETE /v1/responses/{id}`.
   `background` and server-side conversations are refused (REFUSED_RESPONSES).
+- `truncation: "auto"`: the fewest items from the conversation's start are left out for it to fit.
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ from pegaserve.api import validation as v
 from pegaserve.api.body import complaint
 from pegaserve.api.errors import ApiError, invalid
 from pegaserve.api.frontend import Job, new_response_id
-from pegaserve.api.jobs import chat_job
+from pegaserve.api.jobs import chat_job, chat_prompt_ids
 from pegaserve.api.protocol import REFUSED_RESPONSES, ChatCompletionRequest, ResponsesRequest, SamplingKnobs
 from pegaserve.api.response_store import ResponseStore
+from pegaserve.api.tools import chat_tools
 
 # chat's names for what the Responses API calls otherwise, for the 400s
 _RESPONSES_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens",
@@ -66,8 +68,9 @@ def responses_job(frontend, body: ResponsesRequest, header_id: str | None,
     if body.top_logprobs and LOGPROBS not in (body.include or ()):
         raise invalid("top_logprobs", f'needs include: ["{LOGPROBS}"]')
     history = previous["items"] if previous is not None else []
+    drop = _dropped(frontend, body, history) if body.truncation == "auto" else 0
     try:
-        chat = ChatCompletionRequest.model_validate(chat_body(body, history))
+        chat = ChatCompletionRequest.model_validate(chat_body(body, history, drop))
     except ValidationError as exc:
         raise _renamed(complaint(exc)) from None
     try:
@@ -80,11 +83,38 @@ def responses_job(frontend, body: ResponsesRequest, header_id: str | None,
     return job, ResponseView(body, response_id, job.wire.model, store, history)
 
 
-def chat_body(body: ResponsesRequest, history: list[dict] = ()) -> dict:
-    """The chat request that `body` is (after the conversation `history`, items): its messages,
-    tools, format and limits in chat's words."""
+def _dropped(frontend, body: ResponsesRequest, history: list[dict]) -> int:
+    """`truncation: auto`: how many items, from the conversation's start, to leave out so that the
+    prompt and `max_output_tokens` fit the context — the fewest (0: all fit). Never the last item,
+    and never so as to open on a tool's output without its call. A body with other faults drops
+    nothing: its 400 comes from the usual path."""
+    model, limits = frontend.model, frontend.limits
+
+    def fits(drop: int) -> bool | None:  # None: the body fails otherwise (a template may refuse what is left)
+        try:
+            chat = ChatCompletionRequest.model_validate(chat_body(body, history, drop))
+            n = len(chat_prompt_ids(frontend, chat, chat_tools(chat)[0]))
+        except (ApiError, ValidationError):
+            return None
+        return n + (body.max_output_tokens or 1) <= model.max_model_len and \
+            (limits.max_prompt_tokens is None or n <= limits.max_prompt_tokens)
+
+    if fits(0) is not False:
+        return 0
+    items = [*history, *input_items(body)]
+    starts = [k for k in range(1, len(items)) if items[k].get("type") != "function_call_output"]
+    lo, hi = 0, len(starts) - 1  # the fewest dropped that fit: fitting only grows with what is dropped
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(starts[mid]) else (mid + 1, hi)
+    return starts[lo] if starts else 0
+
+
+def chat_body(body: ResponsesRequest, history: list[dict] = (), drop: int = 0) -> dict:
+    """The chat request that `body` is (after the conversation `history`, items, less the first
+    `drop` of them): its messages, tools, format and limits in chat's words."""
     chat = body.model_dump(include=set(SamplingKnobs.model_fields), exclude_unset=True)
-    chat.update(messages=_messages(body, history), stream=body.stream, max_completion_tokens=body.max_output_tokens,
+    chat.update(messages=_messages(body, history, drop), stream=body.stream, max_completion_tokens=body.max_output_tokens,
                 parallel_tool_calls=body.parallel_tool_calls, chat_template_kwargs=body.chat_template_kwargs)
     if body.tools is not None:
         chat["tools"] = [_chat_tool(i, tool) for i, tool in enumerate(body.tools)]
@@ -110,9 +140,10 @@ def input_items(body: ResponsesRequest) -> list[dict]:
     return body.input
 
 
-def _messages(body: ResponsesRequest, history: list[dict]) -> list[dict]:
+def _messages(body: ResponsesRequest, history: list[dict], drop: int) -> list[dict]:
     messages = [] if body.instructions is None else [{"role": "system", "content": body.instructions}]
-    for i, item in enumerate([*history, *input_items(body)], start=-len(history)):  # history's: checked before
+    items = list(enumerate([*history, *input_items(body)], start=-len(history)))  # history's: checked before
+    for i, item in items[drop:]:
         kind = item.get("type", "message")
         if kind == "message":
             messages.append(_message(i, item))
@@ -368,7 +399,8 @@ class ResponseView:
             "reasoning": {"effort": body.reasoning.effort if body.reasoning else None, "summary": None},
             "service_tier": body.service_tier or "default", "store": body.store, "temperature": body.temperature,
             "text": {"format": {"type": "text"}, **text}, "tool_choice": body.tool_choice or ("auto" if body.tools else "none"),
-            "tools": body.tools or [], "top_logprobs": body.top_logprobs, "top_p": body.top_p, "truncation": "disabled",
+            "tools": body.tools or [], "top_logprobs": body.top_logprobs, "top_p": body.top_p,
+            "truncation": body.truncation,
             "usage": None, "user": body.user, "metadata": body.metadata or {},
         }
 

@@ -157,7 +157,7 @@ BAD = [
     ({"stream_options": {"include_obfuscation": True}}, "stream_options.include_obfuscation"),
     ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
     ({"reasoning": {"effort": "high"}}, "reasoning.effort"),  # the default model's template reads none
-    ({"truncation": "auto"}, "truncation"),
+    ({"truncation": "middle"}, "truncation"),
     ({"include": ["message.output_audio"]}, "include"),
     ({"top_logprobs": 2}, "top_logprobs"),  # without its include
     ({"top_logprobs": 21, "include": ["message.output_text.logprobs"]}, "top_logprobs"),
@@ -287,3 +287,34 @@ def test_the_store_keeps_the_most_recent():
         return [await store.get(key) for key in ("a", "b", "c")] + [await store.delete("c"), await store.delete("c")]
 
     assert asyncio.run(run()) == [{"response": "a"}, None, {"response": "c"}, True, False]
+
+
+def test_truncation_auto_leaves_out_the_conversations_start_until_it_fits(real):
+    """The fewest items from the start (never the instructions) so that the prompt and
+    max_output_tokens fit the context; disabled (the default), the same body is a 400."""
+    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i} " + "word " * 400} for i in range(24)]
+    body = {"instructions": "Be brief.", "input": turns, "max_output_tokens": 50, "temperature": 0}
+    refused = httpx.post(f"{real.base_url}/v1/responses", json=body, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "input"
+    response = client(real).responses.create(model="qwen3-tiny", truncation="auto", **body)
+    assert response.truncation == "auto" and response.status == "incomplete"
+
+    def tokens(kept: list[dict], system: bool = True) -> int:
+        messages = [{"role": "system", "content": "Be brief."}] * system + kept
+        return httpx.post(f"{real.base_url}/tokenize", json={"messages": messages, "add_generation_prompt": True},
+                          timeout=60).json()["count"]
+
+    kept = next(k for k in range(1, len(turns)) if tokens(turns[k:]) + 50 <= 4096)
+    assert response.usage.input_tokens == tokens(turns[kept:]) and tokens(turns[kept - 1:]) + 50 > 4096
+    chat = httpx.post(f"{real.base_url}/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "system", "content": "Be brief."}, *turns[kept:]], "max_tokens": 50,
+        "temperature": 0}).json()
+    assert response.output_text == chat["choices"][0]["message"]["content"]
+    # past the call (too long to keep), the conversation would open on its output: that goes too
+    tool_turns = [{"role": "user", "content": "Call f."},
+                  {"type": "function_call", "call_id": "c", "name": "f", "arguments": "word " * 5000},
+                  {"type": "function_call_output", "call_id": "c", "output": "done"},
+                  {"role": "user", "content": "Go on."}]
+    short = client(real).responses.create(model="qwen3-tiny", input=tool_turns, truncation="auto",
+                                          max_output_tokens=4, temperature=0)
+    assert short.usage.input_tokens == tokens([tool_turns[-1]], system=False)
