@@ -12,7 +12,8 @@ import pytest
 import ray
 from ray import serve
 
-from deployments.ledger import LEDGER_NAME, LEDGER_NAMESPACE
+from deployments.ledger import LEDGER_NAME, LEDGER_NAMESPACE, NAMESPACE
+from deployments.response_store import RESPONSE_STORE_NAME
 from tests.engine.helpers import PROMPTS
 from tests.serve.helpers import deploy, start_ray, wait_for_idle_pools, wait_healthy
 
@@ -174,6 +175,20 @@ def test_ledger_killed_restarts_from_its_journal_and_requests_complete(url):
     during = httpx.get(f"{url}/admin/ledger/{request_id_of(lines)}", timeout=60).json()
     assert during["status"] == "finished" and during["completion_tokens"] == 200
     assert httpx.get(f"{url}/admin/ledger", timeout=60).json()["invariant_violations"] == 0
+
+
+def test_a_killed_response_store_restarts_empty_and_stores_again(url):
+    """Memory only: what it held is gone (continuing it is a 400 naming the parameter, never a 500),
+    and the next response is stored and continued as before."""
+    body = {"input": "Hi", "max_output_tokens": 3, "temperature": 0}
+    lost = httpx.post(f"{url}/v1/responses", json=body, timeout=60).json()
+    ray.kill(ray.get_actor(RESPONSE_STORE_NAME, namespace=NAMESPACE), no_restart=False)
+    refused = httpx.post(f"{url}/v1/responses", json={**body, "previous_response_id": lost["id"]}, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "previous_response_id"
+    kept = httpx.post(f"{url}/v1/responses", json=body, timeout=60).json()
+    assert httpx.get(f"{url}/v1/responses/{kept['id']}", timeout=60).json() == kept
+    continued = httpx.post(f"{url}/v1/responses", json={**body, "previous_response_id": kept["id"]}, timeout=60)
+    assert continued.status_code == 200 and continued.json()["previous_response_id"] == kept["id"]
 
 
 def test_an_ingress_that_dies_leaves_no_record_open(url):
