@@ -323,12 +323,14 @@ class Scheduler:
         first = request.num_output_tokens == len(kept)
         parked = None
         prompt_logprobs = tuple(request.prompt_scores) if first and request.prompt_scores is not None else None
+        # the KV in hand is the output's up to its last token (a rejected draft's is not); its full
+        # blocks enter the prefix cache, a finished request's too (a beam step, max_tokens 1...)
+        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+        self.kv.name_full_blocks(request)
         if cause is not None:
             self._finish(request, cause)
         else:
-            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
             self.kv.truncate(request, request.num_tokens)
-            self.kv.name_full_blocks(request)
             if self.config.role is Role.PREFILL:
                 parked = self._park(request)
             elif (self.proposer is not None or request.spec.prediction) and request.sampling.grammar is None:

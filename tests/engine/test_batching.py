@@ -64,6 +64,17 @@ def test_prefix_cache_hits_give_the_same_tokens(tiny_model_dir, plain_tokens):
     idle_and_conserved(engine)
 
 
+def test_a_request_that_ends_at_its_first_token_leaves_its_prompt_blocks_cached(tiny_model_dir, plain_tokens):
+    """max_tokens 1 (a beam search step, a classifier's one token, a first-token stop): the prompt's
+    full blocks are named before its blocks are freed, and the next request on that prompt finds them."""
+    engine = load_engine(tiny_model_dir, EngineConfig(num_blocks=256), "sdpa")
+    assert tokens_of(engine, PROMPTS, "one", max_tokens=1) == {i: t[:1] for i, t in plain_tokens.items()}
+    idle_and_conserved(engine)
+    assert tokens_of(engine, PROMPTS, "b") == plain_tokens
+    assert engine.stats().prefix_cache_hit_tokens == sum(((len(p) - 1) // 16) * 16 for p in PROMPTS) > 0
+    idle_and_conserved(engine)
+
+
 def test_a_shared_prefix_is_computed_once(tiny_model_dir):
     system = list(range(3000, 3064))  # 4 full blocks of a shared "system prompt"
     engine = load_engine(tiny_model_dir, EngineConfig(num_blocks=128), "sdpa")
