@@ -121,7 +121,13 @@ def test_completions_beams_are_transformers_beam_search(server, hf):
         for token, top in zip(choice["logprobs"]["tokens"], choice["logprobs"]["top_logprobs"]):
             assert token in top and len(top) in (2, 3)  # the best two, and the beam's own token (OpenAI's)
         assert choice["finish_reason"] == "length" and choice["index"] == body["choices"].index(choice)
-    assert body["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": 18, "total_tokens": len(PROMPT) + 18}
+    usage = body["usage"]
+    assert usage.pop("prompt_tokens_details")["cached_tokens"] % 16 == 0  # whole blocks, as the first step found
+    assert usage == {"prompt_tokens": len(PROMPT), "completion_tokens": 18, "total_tokens": len(PROMPT) + 18}
+    longer = [*PROMPT, 13, *PROMPT, 13, *PROMPT, 13, *PROMPT]  # 43 tokens: two whole blocks, then some
+    for _ in range(2):  # the second time, the prefix cache holds the two
+        again = post(server, prompt=longer, max_tokens=2, n=2, use_beam_search=True, ignore_eos=True).json()
+    assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
