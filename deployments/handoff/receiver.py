@@ -29,8 +29,8 @@ from deployments.handoff.protocol import Copied, Fetch, Lease, OpenPair, PairOff
 from deployments.handoff.transports import GlooPair, NcclPair, PairChannel, Staging, kv_from_bytes
 from pegaserve.engine.async_engine import AsyncEngine
 from pegaserve.engine.kv_files import MappedKvFiles
+from pegaserve.engine.request import ReceiveTarget
 from pegaserve.engine.runner import copy_blocks, unpack_blocks
-from pegaserve.engine.scheduler import ReceiveTarget
 
 log = logging.getLogger("ray.serve")
 MAX_MAPPED_CACHES = 8  # prefill caches kept mapped (one per prefill replica of this node)

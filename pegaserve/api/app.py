@@ -95,10 +95,13 @@ def build_app(frontend: Frontend, api_keys: tuple[str, ...] = (), max_inflight: 
 
         return await _respond(frontend, *await off_the_loop_if_large(raw, build), echo_request_id=echo_request_id)
 
+    def not_stored(response_id: str) -> ApiError:
+        return ApiError(f"no stored response {response_id[:80]!r}", param="response_id", status=404)
+
     async def stored(response_id: str) -> dict:
         found = await frontend.responses.get(response_id)
         if found is None:
-            raise ApiError(f"no stored response {response_id[:80]!r}", param="response_id", status=404)
+            raise not_stored(response_id)
         return found
 
     @app.get("/v1/responses/{response_id}")
@@ -125,7 +128,7 @@ def build_app(frontend: Frontend, api_keys: tuple[str, ...] = (), max_inflight: 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> dict:
         if not await frontend.responses.delete(response_id):
-            raise ApiError(f"no stored response {response_id[:80]!r}", param="response_id", status=404)
+            raise not_stored(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
     @app.post("/tokenize")

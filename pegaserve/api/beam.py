@@ -95,8 +95,9 @@ def _stop_string(new_stream: Callable[[], ChoiceStream] | None, tokens: tuple[Sa
     return stream.finish if isinstance(stream.finish, String) else None
 
 
-def final_output(choice_id: str, beam: Beam, prompt_logprobs, num_cached_tokens: int | None) -> StepOutput:
+def final_output(choice_id: str, beam: Beam, first_step: StepOutput) -> StepOutput:
     """A finished beam as the one engine message its choice's ChoiceStream takes (a stop string
-    the stream finds again itself), with the first step's prompt logprobs and cached tokens."""
+    the stream finds again itself), with the prompt's logprobs and cached tokens from `first_step`."""
     finish = None if isinstance(beam.finish, String) else beam.finish
-    return StepOutput(choice_id, beam.tokens, finish, prompt_logprobs, num_cached_tokens=num_cached_tokens)
+    return StepOutput(choice_id, beam.tokens, finish, first_step.prompt_logprobs,
+                      num_cached_tokens=first_step.num_cached_tokens)

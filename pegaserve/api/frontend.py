@@ -166,10 +166,10 @@ class Frontend:
         start = time.perf_counter()
         step_numbers = itertools.count(1)
         alternatives = num_alternatives(job.beam, plan.sampling.num_top_logprobs)
-        prompt_logprobs = num_cached_tokens = None
+        first_step: StepOutput | None = None  # the prompt's own step: its logprobs, what the prefix cache held
 
         async def step(contexts: list[tuple[int, ...]]) -> list[SampledToken]:
-            nonlocal prompt_logprobs, num_cached_tokens
+            nonlocal first_step
             number = next(step_numbers)
             requests = [EngineRequest(f"{run.request.request_id}-beam{number}.{i}", context,
                                       SamplingParams(temperature=0.0, num_top_logprobs=alternatives),
@@ -178,8 +178,8 @@ class Frontend:
                                       cache_salt=plan.cache_salt, priority=plan.priority)
                         for i, context in enumerate(contexts)]
             outputs = await self._one_token_each(requests, job.client_request_id)
-            if number == 1:  # the prompt's own: its logprobs, and what the prefix cache held of it
-                prompt_logprobs, num_cached_tokens = outputs[0].prompt_logprobs, outputs[0].num_cached_tokens
+            if number == 1:
+                first_step = outputs[0]
             return [output.tokens[0] for output in outputs]
 
         new_stream = run.new_stream if plan.stops.strings else None
@@ -189,7 +189,7 @@ class Frontend:
                                           plan.sampling.num_top_logprobs, new_stream)
             self.observer.first_token(time.perf_counter() - start)
             for choice_id, found in zip(run.choice_ids, beams):
-                yield run.index(choice_id), run.feed(final_output(choice_id, found, prompt_logprobs, num_cached_tokens))
+                yield run.index(choice_id), run.feed(final_output(choice_id, found, first_step))
         finally:
             await asyncio.shield(self._account(run, time.perf_counter() - start))
 

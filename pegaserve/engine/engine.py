@@ -20,9 +20,9 @@ from pegaserve.engine.block_pool import BlockPool
 from pegaserve.engine.config import EngineConfig, Role, SpeculativeConfig
 from pegaserve.engine.grammar import Grammars
 from pegaserve.engine.kv_manager import KvCacheManager
-from pegaserve.engine.request import EngineRequest, Handoff, ParkedKv, RequestState, StepOutput
+from pegaserve.engine.request import EngineRequest, Handoff, ParkedKv, ReceiveTarget, RequestState, StepOutput
 from pegaserve.engine.runner import ModelRunner, copy_blocks
-from pegaserve.engine.scheduler import ReceiveTarget, Scheduler
+from pegaserve.engine.scheduler import Scheduler
 from pegaserve.engine.spec import make_proposer
 
 log = logging.getLogger(__name__)

@@ -122,6 +122,14 @@ class ParkedKv:
 
 
 @dataclass(frozen=True)
+class ReceiveTarget:
+    """Decode role: where a handoff's KV goes — the blocks after the prompt's cached prefix."""
+
+    block_ids: tuple[int, ...]
+    first_block: int  # the prompt's first block to move (the ones before it are cached here)
+
+
+@dataclass(frozen=True)
 class StepOutput:
     """One choice's share of one engine step: its new tokens, and its finish if it finished.
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass, replace
 from pegaserve.engine.config import EngineConfig, Role
 from pegaserve.engine.grammar import Grammars
 from pegaserve.engine.kv_manager import KvCacheManager
-from pegaserve.engine.request import (EngineRequest, Handoff, ParkedKv, RequestState, SampledToken, Status,
-                                      StepOutput)
+from pegaserve.engine.request import (EngineRequest, Handoff, ParkedKv, ReceiveTarget, RequestState, SampledToken,
+                                      Status, StepOutput)
 from pegaserve.engine.ranked_queue import RankedQueue, rank
 from pegaserve.engine.scheduled_request import scheduled_request
 from pegaserve.engine.scheduler_output import RunnerOutput, ScheduledRequest, SchedulerOutput
@@ -37,14 +37,6 @@ class SpecStats:
     num_accepted_tokens: int = 0  # drafts the target model agreed with
     num_steps: int = 0  # verification steps (request-steps that carried drafts)
     num_emitted_tokens: int = 0  # tokens those steps produced (accepted + one sampled each)
-
-
-@dataclass(frozen=True)
-class ReceiveTarget:
-    """Where a handoff's KV goes on the decode side: the blocks after the prompt's cached prefix."""
-
-    block_ids: tuple[int, ...]
-    first_block: int  # the prompt's first block to move (the ones before it are cached here)
 
 
 class Scheduler:
@@ -323,8 +315,7 @@ class Scheduler:
         first = request.num_output_tokens == len(kept)
         parked = None
         prompt_logprobs = tuple(request.prompt_scores) if first and request.prompt_scores is not None else None
-        # the KV in hand is the output's up to its last token (a rejected draft's is not); its full
-        # blocks enter the prefix cache, a finished request's too (a beam step, max_tokens 1...)
+        # KV up to the last token, not a rejected draft's: its full blocks are cached, finished or not
         request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
         self.kv.name_full_blocks(request)
         if cause is not None:
@@ -443,7 +434,7 @@ class Scheduler:
 
     def release(self, request_id: str) -> bool:
         """Prefill role: free a parked request's blocks (decode has its KV, or the lease expired)."""
-        parked = [self.parked[c] for c in self.choice_ids(request_id) if c in self.parked]
+        parked = self.parked_choices(request_id)
         for request in parked:
             self._finish(request, request.finish or Abort())
         return bool(parked)

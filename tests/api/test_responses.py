@@ -15,7 +15,7 @@ import pytest
 from pegaserve.api.protocol import REFUSED_RESPONSES, ResponsesRequest
 from pegaserve.api.response_store import MemoryResponseStore
 from pegaserve.api.responses import chat_body
-from tests.api.test_fields import NO_EFFECT, REFUSED_VALUES
+from tests.api.field_kinds import NO_EFFECT, REFUSED_VALUES
 from tests.api.test_tools import TIME, WEATHER, tools_app
 from tests.contract.server import ThreadedServer
 
