@@ -88,7 +88,8 @@ class KvReceiver:
             self.release(lease)
             return Transfer(True, transport, seconds=time.perf_counter() - start)
         try:
-            kv_bytes = await asyncio.wait_for(self._fetch(lease, target, choice_ids, transport), self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):  # (not wait_for: its task costs a turn of the loop)
+                kv_bytes = await self._fetch(lease, target, choice_ids, transport)
         except Exception as exc:
             log.warning("KV fetch of %s failed (%s: %s); recomputing", lease.request_id, type(exc).__name__, exc)
             self.release(lease)

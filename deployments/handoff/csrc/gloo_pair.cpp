@@ -1,8 +1,9 @@
 // A gloo pair's handoff with no Python between a fetch and its bytes (deployments/handoff/native.py
 // builds and loads it; transports.py holds the same protocol in Python, which runs where this cannot).
 //
-// Decode (`pull`) posts a receive per slab straight into its cache, one for the verdict, and sends
-// the fetch; prefill (`serve_fetch`, a thread of its own per pair) waits for the fetch, sends the
+// Decode (`pull`) sends the fetch, then posts a receive per slab straight into its cache and one for
+// the verdict (gloo holds a send until its receive is posted, so the order is free: the fetch goes
+// first, for prefill's thread to wake while decode posts); prefill (`serve_fetch`, a thread of its own per pair) waits for the fetch, sends the
 // slabs it names straight from its cache, checks the blocks' generations once they are read, and
 // sends its verdict. The fetch is int64 words that both sides read, then the pickled request id and
 // choice ids, which only prefill's bookkeeping reads, after the verdict is on its way.
@@ -96,9 +97,9 @@ Pull pull(const c10::intrusive_ptr<c10d::Backend>& pair, const at::Tensor& cache
   pybind11::gil_scoped_release nogil;
   const auto slabs = cut(cache, runs.data(), header[1], 1);
   pending.works.reserve(slabs.size() + 2);
+  pending.works.push_back(post(pair, true, fetch, peer, fetch_tag));  // first: prefill wakes while we post
   for (size_t tag = 0; tag < slabs.size(); ++tag) pending.works.push_back(post(pair, false, slabs[tag], peer, tag));
   pending.works.push_back(post(pair, false, flag, peer, verdict_tag));
-  pending.works.push_back(post(pair, true, fetch, peer, fetch_tag));
   return pending;
 }
 
