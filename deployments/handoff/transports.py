@@ -130,8 +130,8 @@ class PairChannel(ABC):
     def pull(self, cache: torch.Tensor, fetch: Fetch, staging: Staging, runs: Runs = FIND) -> Callable[[], bool]:
         """Decode, on a channel that `carries_fetches`: sends the fetch (first, so the sender wakes
         meanwhile: a send waits for its receive), then posts the receives of the fetch's blocks and
-        of the verdict; the fetch says how the blocks travel (`runs`); returns the
-        rest, which blocks (for a worker thread) and returns the sender's verdict."""
+        of the verdict; the fetch says how the blocks travel (`runs`). Returns the rest, which
+        blocks (for a worker thread) and returns the sender's verdict."""
         runs = _runs(runs, cache, fetch.source_block_ids, fetch.target_block_ids)
         asked = self.post_send(fetch_message(fetch, runs), _FETCH_TAG)
         finish = self.start_recv(cache, fetch.source_block_ids, fetch.target_block_ids, staging, runs)
