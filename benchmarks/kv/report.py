@@ -7,6 +7,7 @@ import datetime
 import statistics
 from pathlib import Path
 
+from benchmarks.kv.transport import IDLE_S
 from benchmarks.reports import kept_notes, machine
 
 
@@ -19,6 +20,7 @@ def _ms(seconds: float | None) -> str:
     return "—" if seconds is None else f"{seconds * 1000:.1f}"
 
 
+_PATTERN_LABELS = {"request": "on request", "idle": "on request after idle"}
 RAW_OF = {"shm": "gloo"}  # shm replaces gloo between replicas of one node: it is held against raw gloo
 
 
@@ -26,12 +28,14 @@ def _handoff_table(result: dict, transport: str) -> list[str]:
     against = RAW_OF.get(transport, transport)
     figures = [f for f in result["raw"].get(against, []) if f.get("payload", "torch") == "torch"]
     raw = {f["num_bytes"]: f for f in figures if f.get("pattern", "one-way") == "one-way"}
-    request = {f["num_bytes"]: f for f in figures if f.get("pattern") == "request"}
+    on_request = {pattern: {f["num_bytes"]: f for f in figures if f.get("pattern") == pattern}
+                  for pattern in ("request", "idle")}
+    on_request = {pattern: by_size for pattern, by_size in on_request.items() if by_size}
     numpy = {f["num_bytes"]: f for f in result["raw"].get(against, []) if f.get("payload") == "numpy"}
     label = f"raw {against}" if against != transport else "raw"
-    extra = (" raw put + get ms | raw as numpy ms |" if numpy else "") + \
-        (f" {label} on request ms | handoff / on request time |" if request else "")
-    num_extra = bool(numpy) + bool(request)  # pairs of extra columns
+    extra = (" raw put + get ms | raw as numpy ms |" if numpy else "") + "".join(
+        f" {label} {_PATTERN_LABELS[pattern]} ms | handoff / {_PATTERN_LABELS[pattern]} time |" for pattern in on_request)
+    num_extra = bool(numpy) + len(on_request)  # pairs of extra columns
     lines = [f"| prompt tokens | KV MiB | handoff ms (median, min-max) | handoff GB/s | {label} ms | {label} GB/s "
              f"| handoff / {label} time | fallbacks |{extra}", "|---:" * (8 + 2 * num_extra) + "|"]  # fmt: skip
     for length, samples in result["apps"][f"pd-{transport}"].items():
@@ -45,15 +49,14 @@ def _handoff_table(result: dict, transport: str) -> list[str]:
         handoff = statistics.median(seconds)
         row = (f"| {length} | {kv_bytes / 2**20:.2f} | {_ms(handoff)} ({_ms(min(seconds))}-{_ms(max(seconds))}) "
                f"| {kv_bytes / handoff / 1e9:.3f} | {_ms(figure['median_s'])} | {figure['gb_per_s']:.2f} "
-               f"| {handoff / figure['median_s']:.1f}x | {fallbacks} |")  # fmt: skip
+               f"| {handoff / figure['median_s']:.2f}x | {fallbacks} |")  # fmt: skip
         if numpy:
             as_numpy = numpy.get(int(kv_bytes))
             numpy_s = as_numpy["median_s"] if as_numpy else None
             row += f" {_ms(figure['median_put_s'])} + {_ms(figure['median_get_s'])} | {_ms(numpy_s)} |"
-        if request:
-            on_request = request.get(int(kv_bytes))
-            row += (f" {_ms(on_request['median_s'])} | {handoff / on_request['median_s']:.1f}x |" if on_request
-                    else " — | — |")
+        for by_size in on_request.values():
+            asked = by_size.get(int(kv_bytes))
+            row += f" {_ms(asked['median_s'])} | {handoff / asked['median_s']:.2f}x |" if asked else " — | — |"
         lines.append(row)
     return lines
 
@@ -106,7 +109,9 @@ def write_kv_report(result: dict, path: Path) -> None:
         "sending back to back (the bandwidth: its next send is posted before the receive, and gloo's rendezvous "
         "sends the bytes from the sender's gloo thread the moment the receiver's ready notice comes) and **on "
         "request** (the receiver posts its receive and sends a 4-byte request; the sender waits for it, then sends: "
-        "the least any fetch can do, a wake-up of the sender's thread more); object "
+        "the least any fetch can do, a wake-up of the sender's thread more) and **on request after idle** (the same "
+        f"after {IDLE_S} s of both sides idle before each transfer, as between this benchmark's handoffs: what waking a "
+        "quiet machine costs the bare transport); object "
         "store is `ray.put` of the torch tensor in one actor + `ray.get` in the other (and, for comparison, the same "
         "bytes as a numpy array, which Ray stores without pickling and maps zero-copy on get). Median of 20 after "
         "2 warm-ups.",

@@ -6,7 +6,10 @@ transport moves them, without Serve, leases, the KV port or the engine around it
   one tensor send on rank 0, the matching recv on rank 1, timed on the receiver, two ways: `one-way`, the
   sender sending back to back (the bandwidth: the receiver's clock starts with the bytes already on their way),
   and `request`, the least any fetch can do: the receiver posts its receive and sends a 4-byte request, the
-  sender waits for it and sends (a round trip more, and both sides wake from a wait, as in a handoff).
+  sender waits for it and sends (a round trip more, and both sides wake from a wait, as in a handoff); and
+  `idle`, the same on request after `IDLE_S` of both sides idle (the sender blocked in its wait, the receiver
+  asleep), as between two handoffs of the benchmark, which sends one prompt at a time: what waking up from a
+  quiet machine costs the bare transport.
 - object_store: `ray.put` in one actor, `ray.get` in the other; put and get are timed each and
   reported as their sum (the handoff does both on its critical path). Measured for a torch tensor
   (what the app ships) and, for comparison, for the same bytes as a numpy array (which Ray stores
@@ -25,6 +28,8 @@ import torch
 ACTOR_OPTIONS = {"num_cpus": 0.1}
 TIMEOUT_S = 60.0
 REQUEST_TAG = 1
+IDLE_S = 0.2  # the `idle` pattern's quiet spell before each transfer: about a 2048-token prompt's prefill
+PATTERNS = ("one-way", "request", "idle")
 
 
 @dataclass(frozen=True)
@@ -36,7 +41,7 @@ class RawFigure:
     payload: str = "torch"  # object_store only: "torch" (as the app) or "numpy"
     median_put_s: float | None = None
     median_get_s: float | None = None
-    pattern: str = "one-way"  # gloo only: "one-way" (back to back) or "request" (each send waits for a request)
+    pattern: str = "one-way"  # gloo only: one of PATTERNS
 
     @property
     def gb_per_s(self) -> float:
@@ -66,11 +71,12 @@ class GlooEnd:
                 self.pair.post_recv(request, REQUEST_TAG).wait()
             self.pair.send(tensor)
 
-    def recv(self, num_bytes: int, repeats: int, on_request: bool) -> list[float]:
+    def recv(self, num_bytes: int, repeats: int, on_request: bool, idle_s: float = 0.0) -> list[float]:
         tensor = torch.empty(num_bytes // 4, dtype=torch.float32)
         request = torch.zeros(1, dtype=torch.int32)
         runs = []
         for _ in range(repeats):
+            time.sleep(idle_s)
             start = time.perf_counter()
             if on_request:
                 received = self.pair.post_recv(tensor, 0)
@@ -106,11 +112,12 @@ def gloo_bandwidth(sizes: list[int], repeats: int, warmup: int = 2) -> list[RawF
     ray.get([sender.open.remote(0), receiver.open.remote(1, host, port)], timeout=TIMEOUT_S)
     figures = []
     try:
-        for pattern in ("one-way", "request"):
+        for pattern in PATTERNS:
             for num_bytes in sizes:
-                total = warmup + repeats
-                sent = sender.send.remote(num_bytes, total, pattern == "request")
-                runs = ray.get(receiver.recv.remote(num_bytes, total, pattern == "request"), timeout=TIMEOUT_S)[warmup:]
+                total, on_request = warmup + repeats, pattern != "one-way"
+                sent = sender.send.remote(num_bytes, total, on_request)
+                received = receiver.recv.remote(num_bytes, total, on_request, IDLE_S if pattern == "idle" else 0.0)
+                runs = ray.get(received, timeout=TIMEOUT_S)[warmup:]
                 ray.get(sent, timeout=TIMEOUT_S)
                 figures.append(RawFigure("gloo", num_bytes, statistics.median(runs), tuple(runs), pattern=pattern))
     finally:
