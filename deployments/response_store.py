@@ -28,6 +28,9 @@ class ResponseStoreActor:
     async def delete(self, response_id: str) -> bool:
         return await self.store.delete(response_id)
 
+    async def replace(self, response_id: str, stored: dict, statuses: tuple[str, ...]) -> bool:
+        return await self.store.replace(response_id, stored, statuses)
+
 
 class ActorResponseStore(ResponseStore):
     """The store actor, called off the request (`DetachedCalls`: a cancelled client leaves no gap)."""
@@ -45,3 +48,6 @@ class ActorResponseStore(ResponseStore):
 
     async def delete(self, response_id: str) -> bool:
         return await self.detached.call(lambda: self.actor.delete.remote(response_id))
+
+    async def replace(self, response_id: str, stored: dict, statuses: tuple[str, ...]) -> bool:
+        return await self.detached.call(lambda: self.actor.replace.remote(response_id, stored, statuses))

@@ -93,7 +93,11 @@ def build_app(frontend: Frontend, api_keys: tuple[str, ...] = (), max_inflight: 
         def build() -> tuple[Job, ResponseView]:
             return responses_job(frontend, body, _client_id(request, body, echo_request_id), previous)
 
-        return await _respond(frontend, *await off_the_loop_if_large(raw, build), echo_request_id=echo_request_id)
+        job, view = await off_the_loop_if_large(raw, build)
+        if body.background:
+            queued = await frontend.background.start(frontend, job, view)
+            return JSONResponse(queued, headers=_echoed(job, echo_request_id))
+        return await _respond(frontend, job, view, echo_request_id=echo_request_id)
 
     def not_stored(response_id: str) -> ApiError:
         return ApiError(f"no stored response {response_id[:80]!r}", param="response_id", status=404)
@@ -124,6 +128,10 @@ def build_app(frontend: Frontend, api_keys: tuple[str, ...] = (), max_inflight: 
         page = items[:limit]
         return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
                 "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> dict:
+        return await frontend.background.cancel(response_id, await stored(response_id))
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> dict:
@@ -179,7 +187,7 @@ async def _respond(frontend: Frontend, job: Job, view: ResponseView | None = Non
     API's) the response's typed events, each named in its SSE `event:` line, with no `[DONE]`."""
     log.info("request %s: client id %r, %d prompt(s), n=%d", job.response_id, job.client_request_id,
              len(job.prompts), job.n)
-    headers = {"X-Request-Id": job.client_request_id or job.response_id} if echo_request_id else {}
+    headers = _echoed(job, echo_request_id)
     if not job.stream:
         body = await frontend.complete(job)
         return JSONResponse(body if view is None else await view.response(body), headers=headers)
@@ -187,6 +195,10 @@ async def _respond(frontend: Frontend, job: Job, view: ResponseView | None = Non
     first = await anext(chunks, None)  # admission errors (400, 429) still get their HTTP status
     return StreamingResponse(_sse(first, chunks, named=view is not None), media_type="text/event-stream",
                              headers=headers)
+
+
+def _echoed(job: Job, echo_request_id: bool) -> dict[str, str]:
+    return {"X-Request-Id": job.client_request_id or job.response_id} if echo_request_id else {}
 
 
 async def _sse(first: dict | None, chunks: AsyncIterator[dict], named: bool = False) -> AsyncIterator[bytes]:

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, replace
 
+from pegaserve.api.background import BackgroundResponses
 from pegaserve.api.beam import BeamPlan, beam_search, final_output, num_alternatives
 from pegaserve.api.choice import ChoiceDelta, ChoiceStream
 from pegaserve.api.clients import EngineClient, LedgerClient
@@ -88,6 +89,7 @@ class Frontend:
         self.limits = limits
         self.observer = observer or RequestObserver()
         self.responses = responses or MemoryResponseStore()  # the Responses API's stored responses
+        self.background = BackgroundResponses(self.responses)
 
     async def complete(self, job: Job) -> dict:
         """Non-streaming: run every choice to its end, then one body."""

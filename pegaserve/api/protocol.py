@@ -203,9 +203,9 @@ class ResponsesRequest(SamplingKnobs):
     top_logprobs: StrictInt = 0
     store: StrictBool = True  # kept for `previous_response_id` and GET /v1/responses/{id} (response_store.py)
     previous_response_id: str | None = None
-    # Refused unless at their defaults (`REFUSED_RESPONSES`): nothing runs in the background, and
+    background: StrictBool = False  # answered `queued` at once, generated on (pegaserve/api/background.py)
+    # Refused unless at their defaults (`REFUSED_RESPONSES`): no tool runs server-side, and
     # conversations and prompts are not kept here
-    background: StrictBool = False
     max_tool_calls: StrictInt | None = None
     prompt: JsonValue = None
     conversation: JsonValue = None
@@ -214,7 +214,7 @@ class ResponsesRequest(SamplingKnobs):
 REFUSED_SHARED = ("kv_transfer_params", "vllm_xargs")
 REFUSED_COMPLETION = (*REFUSED_SHARED, "suffix")
 REFUSED_CHAT = (*REFUSED_SHARED, "store", "audio", "web_search_options")
-REFUSED_RESPONSES = ("background", "max_tool_calls", "prompt", "conversation")
+REFUSED_RESPONSES = ("max_tool_calls", "prompt", "conversation")
 
 
 class TokenizeRequest(Body):

@@ -7,6 +7,7 @@ A stored response is `{"response": <the response object>, "input": <its input it
 Ray as it is. Instructions are not part of the conversation: a response continued from another
 does not inherit them (OpenAI's rule). The store keeps the most recent `max_responses` in memory;
 behind Ray one store actor serves every ingress replica (deployments/response_store.py).
+A background response's status moves by `replace`, a compare-and-set (pegaserve/api/background.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 
 MAX_RESPONSES = 1000
+ACTIVE = ("queued", "in_progress")  # a background response's statuses before its end
 
 
 class ResponseStore(ABC):
@@ -27,6 +29,11 @@ class ResponseStore(ABC):
     @abstractmethod
     async def delete(self, response_id: str) -> bool:
         """Whether it was there."""
+
+    @abstractmethod
+    async def replace(self, response_id: str, stored: dict, statuses: tuple[str, ...]) -> bool:
+        """Store `stored` in place of what is there, if its response's status is one of `statuses`
+        (at once: nothing comes between the look and the write); whether it did."""
 
 
 class MemoryResponseStore(ResponseStore):
@@ -50,3 +57,10 @@ class MemoryResponseStore(ResponseStore):
 
     async def delete(self, response_id: str) -> bool:
         return self._stored.pop(response_id, None) is not None
+
+    async def replace(self, response_id: str, stored: dict, statuses: tuple[str, ...]) -> bool:
+        present = self._stored.get(response_id)
+        if present is None or present["response"]["status"] not in statuses:
+            return False
+        await self.put(response_id, stored)  # never suspends: the look and the write are one step
+        return True

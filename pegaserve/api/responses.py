@@ -14,7 +14,9 @@ prompt, the stop contract, tools, structured output, the ledger and P/D, whichev
 - `store` (on by default): the response is kept (pegaserve/api/response_store.py) before its last
   event, for `previous_response_id` to continue (its input and output items come before the new
   input; its instructions do not carry over) and for `GET`/`DELETE /v1/responses/{id}`.
-  `background` and server-side conversations are refused (REFUSED_RESPONSES).
+- `background` (with `store`): the response comes back `queued` at once and is generated in the
+  background (pegaserve/api/background.py); GET reads it, `POST .../cancel` stops it.
+  Server-side conversations and prompts are refused (REFUSED_RESPONSES).
 - `truncation: "auto"`: the fewest items from the conversation's start are left out for it to fit.
 """
 
@@ -33,7 +35,7 @@ from pegaserve.api.errors import ApiError, invalid
 from pegaserve.api.frontend import Job, new_response_id
 from pegaserve.api.jobs import chat_job, chat_prompt_ids
 from pegaserve.api.protocol import REFUSED_RESPONSES, ChatCompletionRequest, ResponsesRequest, SamplingKnobs
-from pegaserve.api.response_store import ResponseStore
+from pegaserve.api.response_store import ACTIVE, ResponseStore
 from pegaserve.api.tools import chat_tools
 
 # chat's names for what the Responses API calls otherwise, for the 400s
@@ -51,6 +53,9 @@ async def continued(store: ResponseStore, body: ResponsesRequest) -> dict | None
     if stored is None:
         raise invalid("previous_response_id", f"no stored response {body.previous_response_id[:80]!r} (it was "
                                               "not stored, was deleted, or is past the store's most recent)")
+    if stored["response"]["status"] in ACTIVE:
+        raise invalid("previous_response_id", f"{body.previous_response_id[:80]!r} is still "
+                                              f"{stored['response']['status']} (in the background)")
     return stored
 
 
@@ -67,6 +72,10 @@ def responses_job(frontend, body: ResponsesRequest, header_id: str | None,
             raise invalid(f"reasoning.{name}", "is not supported: no reasoning is summarized here (only null)")
     if body.top_logprobs and LOGPROBS not in (body.include or ()):
         raise invalid("top_logprobs", f'needs include: ["{LOGPROBS}"]')
+    if body.background and not body.store:
+        raise invalid("background", "needs store: true (a background response is read back from the store)")
+    if body.background and body.stream:
+        raise invalid("stream", "a background response is not streamed here: GET /v1/responses/{id} reads it")
     history = previous["items"] if previous is not None else []
     drop = _dropped(frontend, body, history) if body.truncation == "auto" else 0
     try:
@@ -270,11 +279,16 @@ class ResponseView:
         self.model = model
         self.store = store  # None: not stored
         self.history = list(history)
+        self.given = [{"id": _id("msg"), "type": "message", **item} for item in input_items(body)]
         self.created_at = int(time.time())
         self._sequence = 0
 
     async def response(self, chat: dict) -> dict:
         """A whole chat completion as a whole response (stored, if it is to be, first)."""
+        return await self._kept(self.finished(chat))
+
+    def finished(self, chat: dict) -> dict:
+        """A whole chat completion as a whole response."""
         choice = chat["choices"][0]
         message, items = choice["message"], _Items()
         if message.get("content") or not message.get("tool_calls"):
@@ -283,14 +297,25 @@ class ResponseView:
             part["logprobs"] = _logprobs(choice)
         for i, call in enumerate(message.get("tool_calls") or []):
             items.open_call(i, call["id"], call["function"]["name"])[0]["arguments"] = call["function"]["arguments"]
-        return await self._kept(self._finished(items, choice["finish_reason"], chat["usage"]))
+        return self._finished(items, choice["finish_reason"], chat["usage"])
+
+    def with_status(self, status: str) -> dict:
+        """The response with no output yet (`queued`, `in_progress`), or none ever (`cancelled`)."""
+        return self._response(status, [])
+
+    def failed(self, output: list[dict], message: str) -> dict:
+        response = self._response("failed", output)
+        response["error"] = {"code": "server_error", "message": message}
+        return response
+
+    def stored(self, response: dict) -> dict:
+        """What the store keeps of `response`: it, its input items, and the conversation to continue."""
+        return {"response": response, "input": self.given, "items": [*self.history, *self.given, *response["output"]]}
 
     async def _kept(self, response: dict) -> dict:
         """`response`, once stored: before the client can name it as a previous response."""
         if self.store is not None:
-            given = [{"id": _id("msg"), "type": "message", **item} for item in input_items(self.body)]
-            await self.store.put(self.id, {"response": response, "input": given,
-                                           "items": [*self.history, *given, *response["output"]]})
+            await self.store.put(self.id, self.stored(response))
         return response
 
     async def events(self, chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
@@ -305,8 +330,7 @@ class ResponseView:
                 error = chunk["error"]
                 yield self._event("error", code=str(error.get("code")), message=error.get("message"),
                                   param=error.get("param"))
-                failed = self._response("failed", items.output)
-                failed["error"] = {"code": "server_error", "message": error.get("message")}
+                failed = self.failed(items.output, error.get("message"))
                 yield self._event("response.failed", response=await self._kept(failed))
                 return
             usage = chunk.get("usage") or usage
@@ -392,7 +416,7 @@ class ResponseView:
         text = body.text.model_dump(by_alias=True, exclude_none=True) if body.text is not None else {}
         return {
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
-            "background": False, "error": None, "incomplete_details": None, "instructions": body.instructions,
+            "background": body.background, "error": None, "incomplete_details": None, "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens, "max_tool_calls": None, "model": self.model,
             "output": list(output), "parallel_tool_calls": body.parallel_tool_calls,
             "previous_response_id": body.previous_response_id,

@@ -133,6 +133,9 @@ BEHAVIOUR = {
     "truncation": [BAD_RESPONSES,
                    "test_responses::test_truncation_auto_leaves_out_the_conversations_start_until_it_fits"],
     "store": ["test_responses::test_stored_responses_are_read_listed_and_deleted"],
+    "background": ["test_background::test_a_background_response_is_queued_then_ends_as_the_foreground_one",
+                   "test_background::test_cancel_stops_the_generation_and_its_engine_request",
+                   "test_background::test_what_cannot_run_in_the_background_is_a_400_naming_it"],
     "previous_response_id": ["test_responses::test_previous_response_id_continues_its_conversation",
                              "test_responses::test_stored_responses_are_read_listed_and_deleted"],
     "include": ["test_responses::test_included_logprobs_are_chats", BAD_RESPONSES],
@@ -150,8 +153,8 @@ NO_EFFECT = {
 REFUSED_VALUES = {
     "kv_transfer_params": {"x": 1}, "vllm_xargs": {"x": 1}, "suffix": "tail", "store": True,
     "audio": {"voice": "x"}, "web_search_options": {},
-    # the Responses API's: nothing runs in the background; no server-side conversations or prompts
-    "background": True, "max_tool_calls": 1, "prompt": {"id": "p"},
+    # the Responses API's: no tool runs server-side; no server-side conversations or prompts
+    "max_tool_calls": 1, "prompt": {"id": "p"},
     "conversation": "c",
 }
 MODELS = {"completions": CompletionRequest, "chat": ChatCompletionRequest}

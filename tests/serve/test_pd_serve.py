@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import httpx
 import openai
@@ -151,6 +152,24 @@ def test_a_response_through_pd_is_its_chat_completion_streamed_and_not(gloo_url)
     continued = client.responses.create(**{**body, "instructions": None, "max_output_tokens": 4, "input": "Six?"},
                                         previous_response_id=response.id)
     assert continued.output_text == chat.choices[0].message.content
+    # in the background: queued at once, ended in the store actor as the same response; a long one cancelled
+    queued = client.responses.create(background=True, **body)
+    assert queued.status == "queued"
+    deadline = time.monotonic() + 60
+    while (done := client.responses.retrieve(queued.id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert done.output_text == response.output_text and done.usage.output_tokens == 8
+    running = client.responses.create(background=True, **{**body, "max_output_tokens": 3000})
+    while httpx.get(f"{gloo_url}/admin/ledger/{running.id}").status_code == 404:  # until its generation begins
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert client.responses.cancel(running.id).status == "cancelled"
+    while (record := httpx.get(f"{gloo_url}/admin/ledger/{running.id}").json())["status"] == "in_flight":
+        assert time.monotonic() < deadline, record
+        time.sleep(0.05)
+    assert record["status"] == "abort" and record["violations"] == [], record
+    assert client.responses.retrieve(running.id).status == "cancelled"
 
 
 def test_n_choices_share_one_handoff_recorded_per_choice(gloo_url):

@@ -1,0 +1,130 @@
+"""Background responses (`background: true`): answered `queued` at once, generated on, read back
+whole with GET, stopped by cancel — through this frontend, or through another replica sharing the
+store (pegaserve/api/background.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+
+from pegaserve.api.background import BackgroundResponses
+from pegaserve.api.protocol import ResponsesRequest
+from pegaserve.api.response_store import ACTIVE, MemoryResponseStore
+from pegaserve.api.responses import ResponseView
+
+LONG = {"max_output_tokens": 3000, "temperature": 0, "ignore_eos": True}  # seconds of decoding: still running
+
+
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+
+
+def settled(openai_client: openai.OpenAI, response_id: str, timeout_s: float = 60.0):
+    deadline = time.monotonic() + timeout_s
+    while (response := openai_client.responses.retrieve(response_id)).status in ACTIVE:
+        assert time.monotonic() < deadline, f"{response_id} still {response.status}"
+        time.sleep(0.05)
+    return response
+
+
+def test_a_background_response_is_queued_then_ends_as_the_foreground_one(real_server):
+    openai_client = client(real_server)
+    asked = {"model": "qwen3-tiny", "instructions": "Be brief.", "input": "Name a colour.", "max_output_tokens": 6,
+             "temperature": 0, "metadata": {"k": "v"}}
+    queued = openai_client.responses.create(background=True, **asked)
+    assert queued.status == "queued" and queued.background is True and queued.output == [] and queued.usage is None
+    done = settled(openai_client, queued.id)
+    foreground = openai_client.responses.create(**asked)
+    assert done.status == foreground.status == "incomplete" and done.background and not foreground.background
+    assert done.output_text == foreground.output_text and done.usage.output_tokens == 6
+    assert done.usage.input_tokens == foreground.usage.input_tokens and done.metadata == {"k": "v"}
+    assert [i.role for i in openai_client.responses.input_items.list(done.id).data] == ["user"]
+    continued = openai_client.responses.create(model="qwen3-tiny", input="More.", previous_response_id=done.id,
+                                               max_output_tokens=2, temperature=0)
+    assert continued.status == "incomplete"
+    record = httpx.get(f"{real_server.base_url}/admin/ledger/{done.id}").json()
+    assert record["status"] == "finished" and record["completion_tokens"] == 6 and record["violations"] == []
+    assert openai_client.responses.cancel(done.id).status == "incomplete"  # ended: as it is
+
+
+def test_cancel_stops_the_generation_and_its_engine_request(real_server):
+    openai_client = client(real_server)
+    running = openai_client.responses.create(model="qwen3-tiny", input="hi", background=True, extra_body=LONG)
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{real_server.base_url}/admin/ledger/{running.id}").status_code == 404:  # until it begins
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert openai_client.responses.retrieve(running.id).status == "in_progress"
+    refused = httpx.post(f"{real_server.base_url}/v1/responses", json={"input": "hi", "previous_response_id": running.id})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "previous_response_id"
+    cancelled = openai_client.responses.cancel(running.id)
+    assert cancelled.status == "cancelled" and cancelled.background
+    assert openai_client.responses.cancel(running.id).status == "cancelled"  # again: the same
+    deadline = time.monotonic() + 30
+    while (record := httpx.get(f"{real_server.base_url}/admin/ledger/{running.id}").json())["status"] == "in_flight":
+        assert time.monotonic() < deadline, record
+        time.sleep(0.05)
+    assert record["status"] == "abort" and record["completion_tokens"] < 3000 and record["violations"] == []
+    time.sleep(0.3)
+    assert openai_client.responses.retrieve(running.id).status == "cancelled"  # the generation's end wrote nothing
+
+
+def test_what_cannot_run_in_the_background_is_a_400_naming_it(real_server):
+    url = f"{real_server.base_url}/v1/responses"
+    for body, param in (({"store": False}, "background"), ({"stream": True}, "stream")):
+        response = httpx.post(url, json={"input": "hi", "background": True, **body})
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+    foreground = httpx.post(url, json={"input": "hi", "max_output_tokens": 1}, timeout=60).json()
+    response = httpx.post(f"{url}/{foreground['id']}/cancel")
+    assert response.status_code == 400 and response.json()["error"]["param"] == "response_id", response.text
+    response = httpx.post(f"{url}/resp_unknown/cancel")
+    assert response.status_code == 404 and response.json()["error"]["param"] == "response_id", response.text
+
+
+class _Generation:
+    """A frontend whose generations run until cancelled."""
+
+    def __init__(self) -> None:
+        self.cancelled = asyncio.Event()
+
+    async def complete(self, job) -> dict:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        raise AssertionError("never cancelled")
+
+
+def test_a_cancel_through_another_replica_reaches_the_generation_through_the_shared_store():
+    store = MemoryResponseStore()
+    view = ResponseView(ResponsesRequest(input="hi", background=True), "resp_x", "qwen3-tiny", store)
+
+    async def run() -> tuple[str, str]:
+        ours, theirs = BackgroundResponses(store, poll_s=0.05), BackgroundResponses(store, poll_s=0.05)
+        frontend = _Generation()
+        await ours.start(frontend, None, view)
+        while (await store.get("resp_x"))["response"]["status"] != "in_progress":
+            await asyncio.sleep(0.01)
+        cancelled = await theirs.cancel("resp_x", await store.get("resp_x"))  # it runs in `ours`
+        await asyncio.wait_for(frontend.cancelled.wait(), timeout=5)
+        await asyncio.sleep(0.1)
+        return cancelled["status"], (await store.get("resp_x"))["response"]["status"]
+
+    assert asyncio.run(run()) == ("cancelled", "cancelled")
+
+
+def test_a_status_moves_only_from_the_statuses_named():
+    store = MemoryResponseStore()
+
+    async def run() -> list:
+        await store.put("r", {"response": {"status": "queued"}})
+        moved = [await store.replace("r", {"response": {"status": s}}, statuses)
+                 for s, statuses in (("in_progress", ("queued",)), ("completed", ("queued",)),
+                                     ("cancelled", ACTIVE), ("completed", ACTIVE))]
+        return [*moved, (await store.get("r"))["response"]["status"], await store.replace("gone", {}, ACTIVE)]
+
+    assert asyncio.run(run()) == [True, False, True, False, "cancelled", False]
