@@ -204,9 +204,8 @@ class ResponsesRequest(SamplingKnobs):
     store: StrictBool = True  # kept for `previous_response_id` and GET /v1/responses/{id} (response_store.py)
     previous_response_id: str | None = None
     background: StrictBool = False  # answered `queued` at once, generated on (pegaserve/api/background.py)
-    # Refused unless at their defaults (`REFUSED_RESPONSES`): no tool runs server-side, and
-    # conversations and prompts are not kept here
-    max_tool_calls: StrictInt | None = None
+    max_tool_calls: StrictInt | None = None  # a bound on built-in tools' calls: none run here (no effect)
+    # Refused unless at their defaults (`REFUSED_RESPONSES`): conversations and prompts are not kept here
     prompt: JsonValue = None
     conversation: JsonValue = None
 
@@ -214,7 +213,7 @@ class ResponsesRequest(SamplingKnobs):
 REFUSED_SHARED = ("kv_transfer_params", "vllm_xargs")
 REFUSED_COMPLETION = (*REFUSED_SHARED, "suffix")
 REFUSED_CHAT = (*REFUSED_SHARED, "store", "audio", "web_search_options")
-REFUSED_RESPONSES = ("max_tool_calls", "prompt", "conversation")
+REFUSED_RESPONSES = ("prompt", "conversation")
 
 
 class TokenizeRequest(Body):

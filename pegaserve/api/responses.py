@@ -72,6 +72,8 @@ def responses_job(frontend, body: ResponsesRequest, header_id: str | None,
             raise invalid(f"reasoning.{name}", "is not supported: no reasoning is summarized here (only null)")
     if body.top_logprobs and LOGPROBS not in (body.include or ()):
         raise invalid("top_logprobs", f'needs include: ["{LOGPROBS}"]')
+    if body.max_tool_calls is not None and body.max_tool_calls < 0:
+        raise invalid("max_tool_calls", f"must be at least 0, got {body.max_tool_calls}")
     if body.background and not body.store:
         raise invalid("background", "needs store: true (a background response is read back from the store)")
     if body.background and body.stream:
@@ -417,7 +419,7 @@ class ResponseView:
         return {
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
             "background": body.background, "error": None, "incomplete_details": None, "instructions": body.instructions,
-            "max_output_tokens": body.max_output_tokens, "max_tool_calls": None, "model": self.model,
+            "max_output_tokens": body.max_output_tokens, "max_tool_calls": body.max_tool_calls, "model": self.model,
             "output": list(output), "parallel_tool_calls": body.parallel_tool_calls,
             "previous_response_id": body.previous_response_id,
             "reasoning": {"effort": body.reasoning.effort if body.reasoning else None, "summary": None},

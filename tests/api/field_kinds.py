@@ -148,13 +148,14 @@ NO_EFFECT = {
     "spaces_between_special_tokens": False,  # byte-level tokens decode as they are (as vLLM's fast path)
     "safety_identifier": "someone",  # the Responses API's end-user label
     "prompt_cache_key": "k",  # a routing hint: the prefix cache needs none
+    "max_tool_calls": 1,  # the Responses API's bound on built-in tools' calls: none run here
 }
 # refused unless at the default: (field, a non-default value)
 REFUSED_VALUES = {
     "kv_transfer_params": {"x": 1}, "vllm_xargs": {"x": 1}, "suffix": "tail", "store": True,
     "audio": {"voice": "x"}, "web_search_options": {},
-    # the Responses API's: no tool runs server-side; no server-side conversations or prompts
-    "max_tool_calls": 1, "prompt": {"id": "p"},
+    # the Responses API's: no server-side conversations or prompts
+    "prompt": {"id": "p"},
     "conversation": "c",
 }
 MODELS = {"completions": CompletionRequest, "chat": ChatCompletionRequest}

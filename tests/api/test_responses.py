@@ -170,6 +170,7 @@ BAD = [
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
     ({"input": []}, "input"),
     ({"max_output_tokens": -1}, "max_output_tokens"),
+    ({"max_tool_calls": -1}, "max_tool_calls"),
     ({"input": "hello " * 5000}, "input"),  # past the context
 ]
 
@@ -192,7 +193,7 @@ NO_EFFECT_HERE = {**NO_EFFECT, "include": ["reasoning.encrypted_content", "code_
 
 
 @pytest.mark.parametrize("name", ["user", "metadata", "service_tier", "safety_identifier", "prompt_cache_key",
-                                  "include"])
+                                  "include", "max_tool_calls"])
 def test_labels_and_hints_change_nothing(real, name):
     body = {"input": "hi", "max_output_tokens": 4, "temperature": 0}
     plain = httpx.post(f"{real.base_url}/v1/responses", json=body, timeout=60).json()
