@@ -302,7 +302,7 @@ class ResponseView:
         return self._finished(items, choice["finish_reason"], chat["usage"])
 
     def with_status(self, status: str) -> dict:
-        """The response with no output yet (`queued`, `in_progress`), or none ever (`cancelled`)."""
+        """The response with no output yet: `queued` or `in_progress` (in the background)."""
         return self._response(status, [])
 
     def failed(self, output: list[dict], message: str) -> dict:

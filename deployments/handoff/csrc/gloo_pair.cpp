@@ -5,8 +5,9 @@
 // the verdict (gloo holds a send until its receive is posted, so the order is free: the fetch goes
 // first, for prefill's thread to wake while decode posts); prefill (`serve_fetch`, a thread of its
 // own per pair) waits for the fetch, sends the slabs it names straight from its cache, checks the
-// blocks' generations once they are read, and sends its verdict. The fetch is int64 words that both sides read, then the pickled request id and
-// choice ids, which only prefill's bookkeeping reads, after the verdict is on its way.
+// blocks' generations once they are read, and sends its verdict. The fetch is int64 words that both
+// sides read, then the pickled request id and choice ids, which only prefill's bookkeeping reads,
+// after the verdict is on its way.
 //
 // The header's words (transports.fetch_message writes them): [0] the message's length in bytes,
 // [1] runs (-1: the blocks travel packed, which the Python side does), [2] blocks, [3] the lease's
