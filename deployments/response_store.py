@@ -31,6 +31,9 @@ class ResponseStoreActor:
     async def replace(self, response_id: str, stored: dict, statuses: tuple[str, ...]) -> bool:
         return await self.store.replace(response_id, stored, statuses)
 
+    async def keep_alive(self, response_id: str, until: float) -> bool:
+        return await self.store.keep_alive(response_id, until)
+
 
 class ActorResponseStore(ResponseStore):
     """The store actor, called off the request (`DetachedCalls`: a cancelled client leaves no gap)."""
@@ -51,3 +54,6 @@ class ActorResponseStore(ResponseStore):
 
     async def replace(self, response_id: str, stored: dict, statuses: tuple[str, ...]) -> bool:
         return await self.detached.call(lambda: self.actor.replace.remote(response_id, stored, statuses))
+
+    async def keep_alive(self, response_id: str, until: float) -> bool:
+        return await self.detached.call(lambda: self.actor.keep_alive.remote(response_id, until))

@@ -88,7 +88,7 @@ def build_app(frontend: Frontend, api_keys: tuple[str, ...] = (), max_inflight: 
     async def responses(request: Request):
         raw = await request.body()
         body = await off_the_loop_if_large(raw, lambda: parse_body(raw, ResponsesRequest))
-        previous = await continued(frontend.responses, body)
+        previous = await continued(frontend.background, body)
 
         def build() -> tuple[Job, ResponseView]:
             return responses_job(frontend, body, _client_id(request, body, echo_request_id), previous)
@@ -103,7 +103,7 @@ def build_app(frontend: Frontend, api_keys: tuple[str, ...] = (), max_inflight: 
         return ApiError(f"no stored response {response_id[:80]!r}", param="response_id", status=404)
 
     async def stored(response_id: str) -> dict:
-        found = await frontend.responses.get(response_id)
+        found = await frontend.background.get(response_id)
         if found is None:
             raise not_stored(response_id)
         return found

@@ -7,7 +7,9 @@ Every change of status is a compare-and-set on the store (`ResponseStore.replace
 end never overwrite each other, whichever ingress replica each came through. A cancel that came
 through this frontend stops the generation at once; one through another replica (behind Ray, the
 store is shared), at the generation's next look at the store, every `poll_s`. A generation lives
-in the frontend that started it: if that process dies, its response stays `in_progress`.
+in the frontend that started it; each look renews its response's `alive_until`, and a response
+read after that (that process died) is `failed`, not left `in_progress` for good. A generation
+whose response left the store (deleted, or the store restarted empty) stops at its next look.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import time
 
 from pegaserve.api.errors import ApiError, invalid
 from pegaserve.api.response_store import ACTIVE, ResponseStore
@@ -22,6 +25,7 @@ from pegaserve.api.response_store import ACTIVE, ResponseStore
 log = logging.getLogger(__name__)
 
 POLL_S = 0.5
+LOST_AFTER_POLLS = 10  # a response whose generation has not looked for this many polls is lost
 
 
 class BackgroundResponses:
@@ -32,12 +36,23 @@ class BackgroundResponses:
         self.poll_s = poll_s
         self._running: dict[str, asyncio.Task] = {}
 
+    async def get(self, response_id: str) -> dict | None:
+        """The stored response, as readers see it: one whose generation stopped looking is `failed`."""
+        stored = await self.store.get(response_id)
+        if stored is None or stored["response"]["status"] not in ACTIVE or stored["alive_until"] >= time.time():
+            return stored
+        response = {**stored["response"], "status": "failed",
+                    "error": {"code": "server_error", "message": "the server that was generating it stopped"}}
+        if await self.store.replace(response_id, {**stored, "response": response}, ACTIVE):
+            return {**stored, "response": response}
+        return await self.store.get(response_id)  # it moved on meanwhile
+
     async def start(self, frontend, job, view) -> dict:
         """Store the response `queued`, start generating it (`frontend.complete(job)`), and return it.
         The generation runs in a context of its own: not a child of the request that started it,
         so nothing that request's end cancels."""
         queued = view.with_status("queued")
-        await self.store.put(view.id, view.stored(queued))
+        await self.store.put(view.id, {**view.stored(queued), "alive_until": self._alive_until()})
         task = asyncio.get_running_loop().create_task(self._run(frontend, job, view), context=contextvars.Context())
         self._running[view.id] = task
         task.add_done_callback(lambda _: self._running.pop(view.id, None))
@@ -59,15 +74,18 @@ class BackgroundResponses:
             stored = await self.store.get(response_id) or stored  # it ended meanwhile
         return stored["response"]
 
+    def _alive_until(self) -> float:
+        return time.time() + LOST_AFTER_POLLS * self.poll_s
+
     async def _run(self, frontend, job, view) -> None:
-        if not await self.store.replace(view.id, view.stored(view.with_status("in_progress")), ("queued",)):
+        running = {**view.stored(view.with_status("in_progress")), "alive_until": self._alive_until()}
+        if not await self.store.replace(view.id, running, ("queued",)):
             return  # cancelled, deleted or dropped before it started
         generation = asyncio.ensure_future(frontend.complete(job))
         try:
             while not (await asyncio.wait({generation}, timeout=self.poll_s))[0]:
-                stored = await self.store.get(view.id)
-                if stored is None or stored["response"]["status"] not in ACTIVE:  # cancelled through another replica
-                    return
+                if not await self.store.keep_alive(view.id, self._alive_until()):
+                    return  # cancelled through another replica, or deleted
             final = view.finished(generation.result())
         except ApiError as exc:
             final = view.failed([], exc.message)

@@ -7,7 +7,8 @@ A stored response is `{"response": <the response object>, "input": <its input it
 Ray as it is. Instructions are not part of the conversation: a response continued from another
 does not inherit them (OpenAI's rule). The store keeps the most recent `max_responses` in memory;
 behind Ray one store actor serves every ingress replica (deployments/response_store.py).
-A background response's status moves by `replace`, a compare-and-set (pegaserve/api/background.py).
+A background response's status moves by `replace`, a compare-and-set, and it carries `alive_until`,
+which its generation renews (`keep_alive`; pegaserve/api/background.py).
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ class ResponseStore(ABC):
     async def replace(self, response_id: str, stored: dict, statuses: tuple[str, ...]) -> bool:
         """Store `stored` in place of what is there, if its response's status is one of `statuses`
         (at once: nothing comes between the look and the write); whether it did."""
+
+    @abstractmethod
+    async def keep_alive(self, response_id: str, until: float) -> bool:
+        """A background response's generation is alive `until` (seconds, wall clock): whether its
+        response is still queued or in progress (else nothing changes)."""
 
 
 class MemoryResponseStore(ResponseStore):
@@ -63,4 +69,11 @@ class MemoryResponseStore(ResponseStore):
         if present is None or present["response"]["status"] not in statuses:
             return False
         await self.put(response_id, stored)  # never suspends: the look and the write are one step
+        return True
+
+    async def keep_alive(self, response_id: str, until: float) -> bool:
+        present = self._stored.get(response_id)
+        if present is None or present["response"]["status"] not in ACTIVE:
+            return False
+        present["alive_until"] = until
         return True

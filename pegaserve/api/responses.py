@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 from pydantic import ValidationError
 
 from pegaserve.api import validation as v
+from pegaserve.api.background import BackgroundResponses
 from pegaserve.api.body import complaint
 from pegaserve.api.errors import ApiError, invalid
 from pegaserve.api.frontend import Job, new_response_id
@@ -45,11 +46,12 @@ _ROLES = ("user", "system", "developer", "assistant")
 LOGPROBS = "message.output_text.logprobs"
 
 
-async def continued(store: ResponseStore, body: ResponsesRequest) -> dict | None:
-    """The stored response that `body` continues (`previous_response_id`), if it names one."""
+async def continued(responses: BackgroundResponses, body: ResponsesRequest) -> dict | None:
+    """The stored response that `body` continues (`previous_response_id`), if it names one, as
+    `responses` (background.BackgroundResponses) reads it."""
     if body.previous_response_id is None:
         return None
-    stored = await store.get(body.previous_response_id)
+    stored = await responses.get(body.previous_response_id)
     if stored is None:
         raise invalid("previous_response_id", f"no stored response {body.previous_response_id[:80]!r} (it was "
                                               "not stored, was deleted, or is past the store's most recent)")

@@ -109,6 +109,9 @@ def test_a_cancel_through_another_replica_reaches_the_generation_through_the_sha
         await ours.start(frontend, None, view)
         while (await store.get("resp_x"))["response"]["status"] != "in_progress":
             await asyncio.sleep(0.01)
+        renewed = (await store.get("resp_x"))["alive_until"]
+        await asyncio.sleep(0.2)  # a few looks: each renews it
+        assert (await store.get("resp_x"))["alive_until"] > renewed
         cancelled = await theirs.cancel("resp_x", await store.get("resp_x"))  # it runs in `ours`
         await asyncio.wait_for(frontend.cancelled.wait(), timeout=5)
         await asyncio.sleep(0.1)
@@ -128,3 +131,20 @@ def test_a_status_moves_only_from_the_statuses_named():
         return [*moved, (await store.get("r"))["response"]["status"], await store.replace("gone", {}, ACTIVE)]
 
     assert asyncio.run(run()) == [True, False, True, False, "cancelled", False]
+
+
+def test_a_response_whose_generation_stopped_looking_reads_as_failed_not_in_progress_for_good():
+    store = MemoryResponseStore()
+    view = ResponseView(ResponsesRequest(input="hi", background=True), "resp_lost", "qwen3-tiny", store)
+    responses = BackgroundResponses(store)
+
+    async def run() -> list:
+        running = view.with_status("in_progress")
+        await store.put("resp_lost", {**view.stored(running), "alive_until": time.time() - 1})  # its replica died
+        await store.put("resp_alive", {**view.stored(running), "alive_until": time.time() + 60})
+        lost, alive = await responses.get("resp_lost"), await responses.get("resp_alive")
+        return [lost["response"]["status"], lost["response"]["error"]["code"],
+                (await store.get("resp_lost"))["response"]["status"], alive["response"]["status"]]
+
+    assert asyncio.run(run()) == ["failed", "server_error", "failed", "in_progress"]
+
