@@ -192,7 +192,11 @@ def test_a_killed_response_store_restarts_empty_and_stores_again(url):
 
 
 def test_an_ingress_that_dies_leaves_no_record_open(url):
+    """...nor a background response it was generating in progress for good: it reads as failed."""
     orphan = deploy("orphan", {"transport": "gloo", "engine": {"num_blocks": 256}, "ledger_orphan_timeout_s": 3})
+    background = httpx.post(f"{orphan}/v1/responses", timeout=60, json={
+        "input": "Hi", "background": True, "max_output_tokens": 3000, "temperature": 0, "ignore_eos": True}).json()
+    assert background["status"] == "queued"
     killed, on_chunk = kill_at_chunk("orphan", "Ingress", 3)
     try:
         lines = stream_lines(orphan, LONG, on_chunk=on_chunk)
@@ -211,5 +215,10 @@ def test_an_ingress_that_dies_leaves_no_record_open(url):
     assert summary["by_status"]["in_flight"] == 0 and summary["invariant_violations"] == 0
     if request_id is not None:
         assert httpx.get(f"{orphan}/admin/ledger/{request_id}").json()["status"] == "error"
+    while (response := httpx.get(f"{orphan}/v1/responses/{background['id']}", timeout=30).json())["status"] in (
+            "queued", "in_progress"):
+        assert time.monotonic() < deadline, response
+        time.sleep(0.5)
+    assert response["status"] == "failed" and response["error"]["code"] == "server_error", response
     wait_for_idle_pools(orphan, replicas=2, timeout_s=60)  # its decode stopped when its ingress vanished
     serve.delete("orphan")
