@@ -44,7 +44,7 @@ class Arrived:
 class Prefilled:
     request_id: str
     first_token_id: int
-    first_logprob: float
+    first_logprob: float | None  # None where the request asked no logprobs: none was computed
     replica: str
 
 
@@ -115,7 +115,7 @@ class _Record:
     internal: bool = False  # counted apart in the summary (Arrived.internal)
     prompt_tokens: int | None = None
     committed_token_ids: list[int] = field(default_factory=list)
-    first_token: tuple[int, float] | None = None
+    first_token: tuple[int, float | None] | None = None
     kv_sent: KvSent | None = None
     kv_received: KvReceived | None = None
     fallback: Fallback | None = None

@@ -77,8 +77,7 @@ class Engine:
         proposer = make_proposer(config.speculative) if config.role is not Role.PREFILL else None
         self.grammars = Grammars(model.config)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len, proposer, self.grammars)
-        self.runner = ModelRunner(model, config.num_blocks, config.block_size, device,
-                                  screened=config.role is not Role.PREFILL)  # fmt: skip
+        self.runner = ModelRunner(model, config.num_blocks, config.block_size, device)
 
     # --- admission -------------------------------------------------------------------------------
 

@@ -30,7 +30,7 @@ class SamplingParams:
     top_k: int = 0  # 0: disabled
     seed: int | None = None
     # top-N alternatives returned per token with the sampled token's own logprob; None: no logprobs,
-    # and none computed past a choice's first token (whose logprob the handoff and the ledger carry)
+    # and none computed, a choice's first token's neither
     num_top_logprobs: int | None = None
     min_p: float = 0.0  # drop tokens whose probability is below min_p * the best one's
     presence_penalty: float = 0.0  # OpenAI: subtracted once from every token the output holds

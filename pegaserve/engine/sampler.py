@@ -10,7 +10,7 @@ once). The masks are written after the penalties, which changes nothing for vali
 divided by their temperature (inside each exp: no scaled copy), filtered by top-k, top-p (over the
 top-k renormalized distribution) and min_p (relative to the best token), and drawn. Logprobs are
 the log-softmax of the raw logits, as vLLM reports them by default; a row gets its sampled token's
-only where it is wanted (`SamplingRow.wants_logprob`: asked for, or a choice's first token).
+only where it is wanted (`SamplingRow.wants_logprob`: asked for).
 
 A draw is an inverse-CDF sample with one uniform per row, hashed from (seed, position), so a seeded
 row's token depends on nothing else in the batch, on preemption, or on which replica (prefill or
@@ -86,9 +86,10 @@ class SamplingRow:
 
     @property
     def wants_logprob(self) -> bool:
-        """Whether its sampled token's logprob is wanted: asked for, or a choice's first token (the
-        handoff and the ledger carry it). Else its `SampledToken.logprob` is None."""
-        return self.params.num_top_logprobs is not None or self.num_output_tokens == 0
+        """Whether its sampled token's logprob is wanted: asked for. As vLLM's, none is computed
+        otherwise, a choice's first token's neither (the handoff and the ledger carry None).
+        Else its `SampledToken.logprob` is None."""
+        return self.params.num_top_logprobs is not None
 
 
 def argmax_only(row: SamplingRow) -> bool:

@@ -139,12 +139,12 @@ def test_top_k_and_top_p_combine():
 @pytest.mark.parametrize(
     "rows",
     [
-        [row(temperature=0.0)] * 4,  # an all-greedy batch (the serving fast path)
+        [row(temperature=0.0, num_top_logprobs=0)] * 4,  # an all-greedy batch, its tokens' logprobs alone
         [row(temperature=0.0, num_top_logprobs=5)] * 4,
         [
             row(temperature=0.0, num_top_logprobs=3),
             row(seed=1, temperature=0.7, num_top_logprobs=5),
-            row(seed=2, top_k=20, top_p=0.8),
+            row(seed=2, top_k=20, top_p=0.8, num_top_logprobs=0),
             row(seed=3, temperature=1.3, masked=frozenset({0, 1, 2}), num_top_logprobs=1),
         ],
     ],
@@ -193,23 +193,24 @@ def test_logprobs_hold_over_a_wide_logit_range():
     # the tiny model's logits span about -90..90; exp() of their differences overflows fp32
     logits = random_logits(4, vocab=151936, scale=40.0, seed=6)
     expected = torch.log_softmax(logits.double(), dim=-1)
-    for i, token in enumerate(sample(logits, [row(temperature=0.0)] * 2 + [row(seed=1), row(seed=2, top_p=0.5)])):
+    rows = [row(temperature=0.0)] * 2 + [row(seed=1), row(seed=2, top_p=0.5)]
+    for i, token in enumerate(sample(logits, [replace(r, params=replace(r.params, num_top_logprobs=0)) for r in rows])):
         assert token.logprob == pytest.approx(expected[i, token.token_id].item(), abs=1e-4)
 
 
 def test_logprob_of_a_masked_row_is_still_the_raw_one():
     logits = torch.zeros(1, 10)
     logits[0, 4], logits[0, 6] = 5.0, 3.0
-    (token,) = sample(logits, [row(temperature=0.0, masked=frozenset({4}))])
+    (token,) = sample(logits, [row(temperature=0.0, masked=frozenset({4}), num_top_logprobs=0)])
     assert token.token_id == 6
     assert token.logprob == pytest.approx(3.0 - math.log(math.exp(5.0) + math.exp(3.0) + 8), abs=1e-5)
 
 
-def test_logprobs_not_asked_for_are_skipped_past_the_first_token_and_change_no_token():
+def test_logprobs_not_asked_for_are_never_computed_and_change_no_token():
     logits = random_logits(8, vocab=151936, scale=4.0, seed=11)
     unasked = [  # no logprobs asked for: the default
         row(5, temperature=0.0),
-        row(0, temperature=0.0),  # a choice's first token: the handoff and the ledger carry its logprob
+        row(0, temperature=0.0),  # a choice's first token: none either (vLLM's way; the handoff carries None)
         row(5, seed=1),  # a plain temperature-1 draw finds the masses anyway, and reuses them
         row(5, seed=2, temperature=0.7),
         row(5, seed=3, top_p=0.8),
@@ -220,8 +221,8 @@ def test_logprobs_not_asked_for_are_skipped_past_the_first_token_and_change_no_t
     top_two = row(5, temperature=0.0, num_top_logprobs=2)
     full, lean = sample(logits, [*asked, top_two]), sample(logits, [*unasked, top_two])
     assert [t.token_id for t in lean] == [t.token_id for t in full]
-    logprobs = [None, full[1].logprob, None, None, None, None, None, full[7].logprob]
-    assert [t.logprob for t in lean] == logprobs
+    assert [t.logprob for t in lean] == [None] * 7 + [full[7].logprob]
+    assert all(t.logprob is not None for t in full)
     assert lean[7].top_logprobs == full[7].top_logprobs and all(t.top_logprobs == () for t in lean[:7])
     greedy_decode = sample(logits, [unasked[0]] * 8)  # the serving fast path: no masses at all
     assert [(t.token_id, t.logprob) for t in greedy_decode] == [(i, None) for i in argmax_rows(logits).tolist()]
@@ -254,7 +255,7 @@ def test_tiny_temperatures_are_greedy_with_finite_logprobs(temperature):
 def test_the_smallest_sampled_temperature_stays_finite():
     assert not SamplingParams(temperature=1e-5).greedy
     logits = random_logits(4, vocab=151936, scale=4.0, seed=8)  # best-to-second gaps >> 80 * 1e-5
-    tokens = sample(logits, [row(temperature=1e-5, seed=s) for s in range(4)])
+    tokens = sample(logits, [row(temperature=1e-5, seed=s, num_top_logprobs=0) for s in range(4)])
     assert [t.token_id for t in tokens] == logits.argmax(-1).tolist()
     assert all(math.isfinite(t.logprob) for t in tokens)
 

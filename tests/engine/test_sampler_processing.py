@@ -147,7 +147,7 @@ def test_the_mask_wins_over_any_bias_or_penalty():
 def test_allowed_token_ids_keep_greedy_picks_and_draws_to_themselves_with_their_own_law():
     logits = random_logits(1, vocab=1000, scale=3.0, seed=15)[0]
     allowed = frozenset(logits.argsort()[:3].tolist())  # the three least likely tokens
-    (token,) = sample(logits[None], [row(temperature=0.0, allowed_token_ids=allowed)])
+    (token,) = sample(logits[None], [row(temperature=0.0, allowed_token_ids=allowed, num_top_logprobs=0)])
     assert token.token_id == max(allowed, key=lambda t: logits[t])
     assert token.logprob == pytest.approx(float(logits.log_softmax(0)[token.token_id]))  # raw, as vLLM reports
     draws = drawn(logits, 3000, allowed_token_ids=allowed)
@@ -254,7 +254,7 @@ def test_sampling_never_changes_the_callers_logits():
 )
 def test_extreme_values_still_give_a_real_token_and_a_finite_logprob(params):
     logits = random_logits(2, vocab=3000, scale=4.0, seed=19)
-    rows = [row(seed=s, output=(1, 2), masked=frozenset({3}), **params) for s in range(2)]
+    rows = [row(seed=s, output=(1, 2), masked=frozenset({3}), num_top_logprobs=0, **params) for s in range(2)]
     for token in sample(logits, rows):
         assert 0 <= token.token_id < 3000 and token.token_id != 3 and math.isfinite(token.logprob)
 
@@ -262,7 +262,8 @@ def test_extreme_values_still_give_a_real_token_and_a_finite_logprob(params):
 def test_a_row_with_everything_masked_still_gets_a_token_and_a_finite_logprob():
     logits = random_logits(2, vocab=50, seed=20)
     everything = frozenset(range(50))
-    for token in sample(logits, [row(temperature=0.0, masked=everything), row(seed=1, masked=everything)]):
+    rows = [row(temperature=0.0, masked=everything, num_top_logprobs=0), row(seed=1, masked=everything, num_top_logprobs=0)]
+    for token in sample(logits, rows):
         assert 0 <= token.token_id < 50 and math.isfinite(token.logprob)
 
 

@@ -271,12 +271,12 @@ def test_which_rows_are_drawn_by_rejection():
         _row(None, logit_bias=((5, 1.0),)),
         SamplingRow(SamplingParams(), 3, masked_token_ids=frozenset({7})),
         SamplingRow(SamplingParams(), 3, draft_token_id=5),  # a draft changes no draw
+        _row(None, position=0),  # a choice's first token too: it wants no logprob unless asked
     ):
         assert draws_by_rejection(row, VOCAB), row
     for row in (
         _row(None, temperature=0.0),  # greedy: the screened argmax
         _row(None, temperature=0.0, presence_penalty=0.5),
-        _row(None, position=0),  # a choice's first token wants its logprob (rule 22's handoff)
         _row(None, num_top_logprobs=0),
         _row(None, top_p=0.9),
         _row(None, top_k=50),
