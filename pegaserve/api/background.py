@@ -41,18 +41,15 @@ class BackgroundResponses:
         stored = await self.store.get(response_id)
         if stored is None or stored["response"]["status"] not in ACTIVE or stored["alive_until"] >= time.time():
             return stored
-        response = {**stored["response"], "status": "failed",
-                    "error": {"code": "server_error", "message": "the server that was generating it stopped"}}
-        if await self.store.replace(response_id, {**stored, "response": response}, ACTIVE):
-            return {**stored, "response": response}
-        return await self.store.get(response_id)  # it moved on meanwhile
+        return await self._ended(response_id, stored, status="failed", error={
+            "code": "server_error", "message": "the server that was generating it stopped"})
 
     async def start(self, frontend, job, view) -> dict:
         """Store the response `queued`, start generating it (`frontend.complete(job)`), and return it.
         The generation runs in a context of its own: not a child of the request that started it,
         so nothing that request's end cancels."""
         queued = view.with_status("queued")
-        await self.store.put(view.id, {**view.stored(queued), "alive_until": self._alive_until()})
+        await self.store.put(view.id, self._alive(view, queued))
         task = asyncio.get_running_loop().create_task(self._run(frontend, job, view), context=contextvars.Context())
         self._running[view.id] = task
         task.add_done_callback(lambda _: self._running.pop(view.id, None))
@@ -65,21 +62,29 @@ class BackgroundResponses:
         if not response.get("background"):
             raise invalid("response_id", "only a background response can be cancelled")
         if response["status"] in ACTIVE:
-            cancelled = {**stored, "response": {**response, "status": "cancelled"}}
-            if await self.store.replace(response_id, cancelled, ACTIVE):
-                task = self._running.get(response_id)
-                if task is not None:
-                    task.cancel()
-                return cancelled["response"]
-            stored = await self.store.get(response_id) or stored  # it ended meanwhile
+            stored = await self._ended(response_id, stored, status="cancelled")
+            task = self._running.get(response_id)
+            if task is not None and stored["response"]["status"] == "cancelled":
+                task.cancel()
         return stored["response"]
+
+    async def _ended(self, response_id: str, stored: dict, **changes) -> dict:
+        """`stored` with its response ended by `changes`, if it was still queued or in progress (a
+        compare-and-set); else what the store holds now (it ended meanwhile)."""
+        ended = {**stored, "response": {**stored["response"], **changes}}
+        if await self.store.replace(response_id, ended, ACTIVE):
+            return ended
+        return await self.store.get(response_id) or stored
+
+    def _alive(self, view, response: dict) -> dict:
+        """What the store keeps of a queued or running response: alive for `LOST_AFTER_POLLS` looks."""
+        return {**view.stored(response), "alive_until": self._alive_until()}
 
     def _alive_until(self) -> float:
         return time.time() + LOST_AFTER_POLLS * self.poll_s
 
     async def _run(self, frontend, job, view) -> None:
-        running = {**view.stored(view.with_status("in_progress")), "alive_until": self._alive_until()}
-        if not await self.store.replace(view.id, running, ("queued",)):
+        if not await self.store.replace(view.id, self._alive(view, view.with_status("in_progress")), ("queued",)):
             return  # cancelled, deleted or dropped before it started
         generation = asyncio.ensure_future(frontend.complete(job))
         try:
