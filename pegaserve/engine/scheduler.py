@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from bisect import insort
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from pegaserve.engine.config import EngineConfig, Role
 from pegaserve.engine.grammar import Grammars
@@ -27,16 +27,8 @@ from pegaserve.engine.request import (EngineRequest, Handoff, ParkedKv, ReceiveT
 from pegaserve.engine.ranked_queue import RankedQueue, rank
 from pegaserve.engine.scheduled_request import scheduled_request
 from pegaserve.engine.scheduler_output import RunnerOutput, ScheduledRequest, SchedulerOutput
-from pegaserve.engine.spec import PredictionProposer, Proposer
+from pegaserve.engine.spec import PredictionProposer, Proposer, SpecStats
 from pegaserve.stop import Abort, Error, Length, StopCause
-
-
-@dataclass
-class SpecStats:
-    num_draft_tokens: int = 0  # drafts verified
-    num_accepted_tokens: int = 0  # drafts the target model agreed with
-    num_steps: int = 0  # verification steps (request-steps that carried drafts)
-    num_emitted_tokens: int = 0  # tokens those steps produced (accepted + one sampled each)
 
 
 class Scheduler:

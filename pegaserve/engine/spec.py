@@ -7,8 +7,19 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from pegaserve.engine.config import SpeculativeConfig
+
+
+@dataclass
+class SpecStats:
+    """What speculation did in an engine (its scheduler counts; /admin/stats and metrics show it)."""
+
+    num_draft_tokens: int = 0  # drafts verified
+    num_accepted_tokens: int = 0  # drafts the target model agreed with
+    num_steps: int = 0  # verification steps (request-steps that carried drafts)
+    num_emitted_tokens: int = 0  # tokens those steps produced (accepted + one sampled each)
 
 
 class Proposer(ABC):
