@@ -31,8 +31,8 @@ class ResponseStoreActor:
     async def replace(self, response_id: str, stored: dict, statuses: tuple[str, ...]) -> bool:
         return await self.store.replace(response_id, stored, statuses)
 
-    async def keep_alive(self, response_id: str, until: float) -> bool:
-        return await self.store.keep_alive(response_id, until)
+    async def keep_alive(self, response_id: str, until: float, events: list[dict] = ()) -> bool:
+        return await self.store.keep_alive(response_id, until, events)
 
 
 class ActorResponseStore(ResponseStore):
@@ -55,5 +55,5 @@ class ActorResponseStore(ResponseStore):
     async def replace(self, response_id: str, stored: dict, statuses: tuple[str, ...]) -> bool:
         return await self.detached.call(lambda: self.actor.replace.remote(response_id, stored, statuses))
 
-    async def keep_alive(self, response_id: str, until: float) -> bool:
-        return await self.detached.call(lambda: self.actor.keep_alive.remote(response_id, until))
+    async def keep_alive(self, response_id: str, until: float, events: list[dict] = ()) -> bool:
+        return await self.detached.call(lambda: self.actor.keep_alive.remote(response_id, until, list(events)))

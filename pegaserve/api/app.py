@@ -96,6 +96,8 @@ def build_app(frontend: Frontend, api_keys: tuple[str, ...] = (), max_inflight: 
         job, view = await off_the_loop_if_large(raw, build)
         if body.background:
             queued = await frontend.background.start(frontend, job, view)
+            if body.stream:
+                return await _named_events(frontend.background.follow(view.id), _echoed(job, echo_request_id))
             return JSONResponse(queued, headers=_echoed(job, echo_request_id))
         return await _respond(frontend, job, view, echo_request_id=echo_request_id)
 
@@ -109,10 +111,19 @@ def build_app(frontend: Frontend, api_keys: tuple[str, ...] = (), max_inflight: 
         return found
 
     @app.get("/v1/responses/{response_id}")
-    async def stored_response(response_id: str, stream: bool = False) -> dict:
-        if stream:
-            raise invalid("stream", "a stored response is read whole here (only false)")
-        return (await stored(response_id))["response"]
+    async def stored_response(response_id: str, stream: bool = False, starting_after: int | None = None,
+                              include_obfuscation: bool = False):
+        found = await stored(response_id)
+        if include_obfuscation:
+            raise invalid("include_obfuscation", "is not supported (only false)")
+        if starting_after is not None and (not stream or starting_after < 0):
+            raise invalid("starting_after", "needs stream=true, and is a sequence number (at least 0)")
+        if not stream:
+            return found["response"]
+        if "events" not in found:
+            raise invalid("stream", "only a response created with background and stream can be streamed")
+        return await _named_events(frontend.background.follow(response_id, -1 if starting_after is None
+                                                              else starting_after), {})
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def stored_input_items(response_id: str, order: Literal["asc", "desc"] = "desc", limit: int = 20,
@@ -184,17 +195,24 @@ def _client_id(request: Request, body: SamplingKnobs, header_is_clients: bool) -
 
 async def _respond(frontend: Frontend, job: Job, view: ResponseView | None = None, *, echo_request_id: bool):
     """The job's body, or its stream: chat and completion chunks, or (with `view`, the Responses
-    API's) the response's typed events, each named in its SSE `event:` line, with no `[DONE]`."""
+    API's) the response's typed events (`_named_events`)."""
     log.info("request %s: client id %r, %d prompt(s), n=%d", job.response_id, job.client_request_id,
              len(job.prompts), job.n)
     headers = _echoed(job, echo_request_id)
     if not job.stream:
         body = await frontend.complete(job)
         return JSONResponse(body if view is None else await view.response(body), headers=headers)
-    chunks = frontend.stream(job) if view is None else view.events(frontend.stream(job))
+    if view is not None:
+        return await _named_events(view.events(frontend.stream(job)), headers)
+    chunks = frontend.stream(job)
     first = await anext(chunks, None)  # admission errors (400, 429) still get their HTTP status
-    return StreamingResponse(_sse(first, chunks, named=view is not None), media_type="text/event-stream",
-                             headers=headers)
+    return StreamingResponse(_sse(first, chunks), media_type="text/event-stream", headers=headers)
+
+
+async def _named_events(events: AsyncIterator[dict], headers: dict[str, str]) -> StreamingResponse:
+    """The Responses API's typed events, each named in its SSE `event:` line, with no `[DONE]`."""
+    first = await anext(events, None)  # admission errors (400, 429) still get their HTTP status
+    return StreamingResponse(_sse(first, events, named=True), media_type="text/event-stream", headers=headers)
 
 
 def _echoed(job: Job, echo_request_id: bool) -> dict[str, str]:

@@ -8,7 +8,8 @@ Ray as it is. Instructions are not part of the conversation: a response continue
 does not inherit them (OpenAI's rule). The store keeps the most recent `max_responses` in memory;
 behind Ray one store actor serves every ingress replica (deployments/response_store.py).
 A background response's status moves by `replace`, a compare-and-set, and it carries `alive_until`,
-which its generation renews (`keep_alive`; pegaserve/api/background.py).
+which its generation renews (`keep_alive`; pegaserve/api/background.py); a streamed one, its
+`events` too, which `keep_alive` adds to.
 """
 
 from __future__ import annotations
@@ -71,9 +72,11 @@ class MemoryResponseStore(ResponseStore):
         await self.put(response_id, stored)  # never suspends: the look and the write are one step
         return True
 
-    async def keep_alive(self, response_id: str, until: float) -> bool:
+    async def keep_alive(self, response_id: str, until: float, events: list[dict] = ()) -> bool:
         present = self._stored.get(response_id)
         if present is None or present["response"]["status"] not in ACTIVE:
             return False
         present["alive_until"] = until
+        if events:
+            present.setdefault("events", []).extend(events)
         return True

@@ -15,7 +15,9 @@ prompt, the stop contract, tools, structured output, the ledger and P/D, whichev
   event, for `previous_response_id` to continue (its input and output items come before the new
   input; its instructions do not carry over) and for `GET`/`DELETE /v1/responses/{id}`.
 - `background` (with `store`): the response comes back `queued` at once and is generated in the
-  background (pegaserve/api/background.py); GET reads it, `POST .../cancel` stops it.
+  background (pegaserve/api/background.py); GET reads it, `POST .../cancel` stops it. With
+  `stream` too, the POST streams its events, and `GET /v1/responses/{id}?stream=true` (from
+  `starting_after`) replays and follows them, through any ingress replica.
   Server-side conversations and prompts are refused (REFUSED_RESPONSES).
 - `truncation: "auto"`: the fewest items from the conversation's start are left out for it to fit.
 """
@@ -78,8 +80,6 @@ def responses_job(frontend, body: ResponsesRequest, header_id: str | None,
         raise invalid("max_tool_calls", f"must be at least 0, got {body.max_tool_calls}")
     if body.background and not body.store:
         raise invalid("background", "needs store: true (a background response is read back from the store)")
-    if body.background and body.stream:
-        raise invalid("stream", "a background response is not streamed here: GET /v1/responses/{id} reads it")
     history = previous["items"] if previous is not None else []
     drop = _dropped(frontend, body, history) if body.truncation == "auto" else 0
     try:
@@ -92,7 +92,7 @@ def responses_job(frontend, body: ResponsesRequest, header_id: str | None,
         raise _renamed(exc) from None
     response_id = new_response_id("resp").replace("-", "_")
     job = replace(job, response_id=response_id, include_usage=True, continuous_usage=False)
-    store = frontend.responses if body.store else None
+    store = frontend.responses if body.store and not body.background else None  # (background: its runner stores it)
     return job, ResponseView(body, response_id, job.wire.model, store, history)
 
 
@@ -281,7 +281,7 @@ class ResponseView:
         self.body = body
         self.id = response_id
         self.model = model
-        self.store = store  # None: not stored
+        self.store = store  # None: not stored here (not stored, or by the background runner)
         self.history = list(history)
         self.given = [{"id": _id("msg"), "type": "message", **item} for item in input_items(body)]
         self.created_at = int(time.time())
@@ -322,20 +322,27 @@ class ResponseView:
             await self.store.put(self.id, self.stored(response))
         return response
 
-    async def events(self, chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
+    def queued_events(self) -> list[dict]:
+        """A streamed background response's first events, before its generation starts."""
+        queued = self.with_status("queued")
+        return [self._event("response.created", response=queued), self._event("response.queued", response=queued)]
+
+    async def events(self, chunks: AsyncIterator[dict], background: bool = False) -> AsyncIterator[dict]:
         """A chat completion's chunks as the response's events. The first chunk is awaited before
-        any event: a refusal at admission keeps its HTTP status."""
+        any event: a refusal at admission keeps its HTTP status (`background`: they follow
+        `queued_events`)."""
         first = await anext(chunks, None)
         items, finish, usage = _Items(), None, None
-        yield self._event("response.created", response=self._response("in_progress", []))
+        if not background:
+            yield self._event("response.created", response=self._response("in_progress", []))
         yield self._event("response.in_progress", response=self._response("in_progress", []))
         async for chunk in _chain(first, chunks):
             if "error" in chunk:
-                error = chunk["error"]
-                yield self._event("error", code=str(error.get("code")), message=error.get("message"),
-                                  param=error.get("param"))
-                failed = self.failed(items.output, error.get("message"))
-                yield self._event("response.failed", response=await self._kept(failed))
+                *told, failed = self.failure_events(items.output, chunk["error"])
+                for event in told:
+                    yield event
+                await self._kept(failed["response"])
+                yield failed
                 return
             usage = chunk.get("usage") or usage
             for choice in chunk["choices"]:
@@ -352,6 +359,11 @@ class ResponseView:
         for event in self._close(items, status):
             yield event
         yield self._event(f"response.{status}", response=await self._kept(self._finished(items, finish, usage)))
+
+    def failure_events(self, output: list[dict], error: dict) -> list[dict]:
+        """The `error` event, then `response.failed` (the response failed with `output` so far)."""
+        return [self._event("error", code=str(error.get("code")), message=error.get("message"), param=error.get("param")),
+                self._event("response.failed", response=self.failed(output, error.get("message")))]
 
     # --- events -------------------------------------------------------------------------------------
 

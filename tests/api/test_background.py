@@ -5,6 +5,7 @@ store (pegaserve/api/background.py)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -72,11 +73,60 @@ def test_cancel_stops_the_generation_and_its_engine_request(real_server):
     assert openai_client.responses.retrieve(running.id).status == "cancelled"  # the generation's end wrote nothing
 
 
-def test_what_cannot_run_in_the_background_is_a_400_naming_it(real_server):
+def test_a_streamed_background_response_streams_and_replays_from_any_event(real_server):
+    openai_client = client(real_server)
+    asked = {"model": "qwen3-tiny", "input": "Name a colour.", "max_output_tokens": 6, "temperature": 0}
+    events = list(openai_client.responses.create(background=True, stream=True, **asked))
+    kinds = [e.type for e in events]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert kinds[:3] == ["response.created", "response.queued", "response.in_progress"]
+    assert events[0].response.status == "queued" and events[0].response.background
+    assert kinds[-1] == "response.incomplete" and kinds.count("response.created") == 1
+    foreground = openai_client.responses.create(**asked)
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == events[-1].response.output_text == foreground.output_text
+    done = openai_client.responses.retrieve(events[0].response.id)
+    assert done.status == "incomplete" and done.output_text == foreground.output_text and done.usage.output_tokens == 6
+    replayed = list(openai_client.responses.retrieve(done.id, stream=True, starting_after=4))
+    assert [e.model_dump() for e in replayed] == [e.model_dump() for e in events[5:]]
+    assert len(list(openai_client.responses.retrieve(done.id, stream=True))) == len(events)
+
+
+def test_a_streamed_background_response_is_followed_live_and_outlives_its_client(real_server):
     url = f"{real_server.base_url}/v1/responses"
-    for body, param in (({"store": False}, "background"), ({"stream": True}, "stream")):
-        response = httpx.post(url, json={"input": "hi", "background": True, **body})
-        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+    with httpx.stream("POST", url, json={"input": "hi", "background": True, "stream": True, **LONG}) as first:
+        lines = first.iter_lines()
+        created = json.loads(next(line for line in lines if line.startswith("data: "))[6:])
+    response_id = created["response"]["id"]  # the client left after one event: the generation goes on
+    openai_client = client(real_server)
+    deadline = time.monotonic() + 30
+    while openai_client.responses.retrieve(response_id).status != "in_progress":
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    followed = []
+    with openai_client.responses.retrieve(response_id, stream=True, starting_after=0) as stream:
+        for event in stream:
+            followed.append(event)
+            if sum(e.type == "response.output_text.delta" for e in followed) == 3:
+                break  # live: deltas come while it runs
+    assert followed[0].sequence_number == 1 and followed[0].type == "response.queued"
+    assert openai_client.responses.cancel(response_id).status == "cancelled"
+    rest = list(openai_client.responses.retrieve(response_id, stream=True, starting_after=followed[-1].sequence_number))
+    assert rest == [] or rest[0].sequence_number == followed[-1].sequence_number + 1  # the stream ends
+    assert all(e.type != "response.completed" for e in rest)
+
+
+def test_what_cannot_run_in_the_background_or_be_streamed_back_is_a_400_naming_it(real_server):
+    url = f"{real_server.base_url}/v1/responses"
+    response = httpx.post(url, json={"input": "hi", "background": True, "store": False})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "background", response.text
+    queued = httpx.post(url, json={"input": "hi", "background": True, "max_output_tokens": 1}).json()
+    for query, param in (("stream=true", "stream"), ("starting_after=0", "starting_after"),
+                         ("stream=true&starting_after=-1", "starting_after"),
+                         ("stream=true&include_obfuscation=true", "include_obfuscation")):
+        response = httpx.get(f"{url}/{queued['id']}?{query}")
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, (query, response.text)
+    assert httpx.get(f"{url}/resp_unknown?stream=true").status_code == 404
     foreground = httpx.post(url, json={"input": "hi", "max_output_tokens": 1}, timeout=60).json()
     response = httpx.post(f"{url}/{foreground['id']}/cancel")
     assert response.status_code == 400 and response.json()["error"]["param"] == "response_id", response.text
@@ -118,6 +168,39 @@ def test_a_cancel_through_another_replica_reaches_the_generation_through_the_sha
         return cancelled["status"], (await store.get("resp_x"))["response"]["status"]
 
     assert asyncio.run(run()) == ("cancelled", "cancelled")
+
+
+class _Tokens:
+    """A frontend whose generations stream one word every 20 ms."""
+
+    async def stream(self, job):
+        for word in ("one ", "two ", "three"):
+            await asyncio.sleep(0.02)
+            yield {"choices": [{"index": 0, "delta": {"content": word}, "finish_reason": None}]}
+        yield {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+               "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4}}
+
+
+def test_a_streamed_response_is_followed_through_another_replica_from_the_shared_store():
+    store = MemoryResponseStore()
+    view = ResponseView(ResponsesRequest(input="hi", background=True, stream=True), "resp_s", "qwen3-tiny", None)
+
+    async def run() -> tuple[list, list, list]:
+        ours, theirs = BackgroundResponses(store, flush_s=0.01), BackgroundResponses(store, flush_s=0.01)
+        await ours.start(_Tokens(), None, view)
+        here, there = ours.follow("resp_s"), theirs.follow("resp_s", 1)  # it runs in `ours`
+        seen_here = [await anext(here)]
+        seen_there = [await anext(there)]  # while it runs: from the store
+        assert (await store.get("resp_s"))["response"]["status"] == "in_progress"
+        seen_here += [e async for e in here]
+        seen_there += [e async for e in there]
+        return seen_here, seen_there, (await store.get("resp_s"))["events"]
+
+    here, there, stored = asyncio.run(run())
+    assert [e["sequence_number"] for e in here] == list(range(len(here))) and here == stored
+    assert there == here[2:] and there[0]["type"] == "response.in_progress"
+    assert here[-1]["type"] == "response.completed" and here[-1]["response"]["output"][0]["content"][0]["text"] == \
+        "one two three"
 
 
 def test_a_status_moves_only_from_the_statuses_named():

@@ -160,6 +160,10 @@ def test_a_response_through_pd_is_its_chat_completion_streamed_and_not(gloo_url)
         assert time.monotonic() < deadline
         time.sleep(0.05)
     assert done.output_text == response.output_text and done.usage.output_tokens == 8
+    events = list(client.responses.create(background=True, stream=True, **body))  # streamed: replayed from the actor
+    assert events[-1].response.output_text == response.output_text
+    replayed = list(client.responses.retrieve(events[0].response.id, stream=True, starting_after=2))
+    assert [e.model_dump() for e in replayed] == [e.model_dump() for e in events[3:]]
     running = client.responses.create(background=True, **{**body, "max_output_tokens": 3000})
     while httpx.get(f"{gloo_url}/admin/ledger/{running.id}").status_code == 404:  # until its generation begins
         assert time.monotonic() < deadline
