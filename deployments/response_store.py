@@ -28,6 +28,9 @@ class ResponseStoreActor:
     async def delete(self, response_id: str) -> bool:
         return await self.store.delete(response_id)
 
+    async def select(self, prefix: str) -> list[dict]:
+        return await self.store.select(prefix)
+
     async def replace(self, response_id: str, stored: dict, statuses: tuple[str, ...]) -> bool:
         return await self.store.replace(response_id, stored, statuses)
 
@@ -51,6 +54,9 @@ class ActorResponseStore(ResponseStore):
 
     async def delete(self, response_id: str) -> bool:
         return await self.detached.call(lambda: self.actor.delete.remote(response_id))
+
+    async def select(self, prefix: str) -> list[dict]:
+        return await self.detached.call(lambda: self.actor.select.remote(prefix))
 
     async def replace(self, response_id: str, stored: dict, statuses: tuple[str, ...]) -> bool:
         return await self.detached.call(lambda: self.actor.replace.remote(response_id, stored, statuses))

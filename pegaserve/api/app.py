@@ -23,6 +23,7 @@ from pegaserve.api.guards import Guards
 from pegaserve.api.jobs import chat_job, completion_job
 from pegaserve.api.protocol import (
     ChatCompletionRequest,
+    ChatUpdate,
     CompletionRequest,
     DetokenizeRequest,
     ResponsesRequest,
@@ -30,6 +31,7 @@ from pegaserve.api.protocol import (
     TokenizeRequest,
 )
 from pegaserve.api.responses import ResponseView, continued, responses_job
+from pegaserve.api.stored_chats import page
 from pegaserve.api.validation import check_model
 
 log = logging.getLogger(__name__)
@@ -84,6 +86,30 @@ def build_app(frontend: Frontend, api_keys: tuple[str, ...] = (), max_inflight: 
     async def chat_completions(request: Request):
         return await generate(request, ChatCompletionRequest, chat_job)
 
+    @app.get("/v1/chat/completions")
+    async def stored_chats(request: Request, model: str | None = None, after: str | None = None, limit: int = 20,
+                           order: Literal["asc", "desc"] = "asc") -> dict:
+        metadata = {key[len("metadata["):-1]: value for key, value in request.query_params.items()
+                    if key.startswith("metadata[") and key.endswith("]")}
+        return await frontend.chats.list(model, metadata, after, limit, order)
+
+    @app.get("/v1/chat/completions/{completion_id}")
+    async def stored_chat(completion_id: str) -> dict:
+        return (await frontend.chats.get(completion_id))["completion"]
+
+    @app.post("/v1/chat/completions/{completion_id}")
+    async def update_stored_chat(completion_id: str, request: Request) -> dict:
+        return await frontend.chats.update(completion_id, parse_body(await request.body(), ChatUpdate).metadata)
+
+    @app.delete("/v1/chat/completions/{completion_id}")
+    async def delete_stored_chat(completion_id: str) -> dict:
+        return await frontend.chats.delete(completion_id)
+
+    @app.get("/v1/chat/completions/{completion_id}/messages")
+    async def stored_chat_messages(completion_id: str, after: str | None = None, limit: int = 20,
+                                   order: Literal["asc", "desc"] = "asc") -> dict:
+        return await frontend.chats.messages(completion_id, after, limit, order)
+
     @app.post("/v1/responses")
     async def responses(request: Request):
         raw = await request.body()
@@ -128,17 +154,7 @@ def build_app(frontend: Frontend, api_keys: tuple[str, ...] = (), max_inflight: 
     @app.get("/v1/responses/{response_id}/input_items")
     async def stored_input_items(response_id: str, order: Literal["asc", "desc"] = "desc", limit: int = 20,
                                  after: str | None = None) -> dict:
-        if not 1 <= limit <= 100:
-            raise invalid("limit", f"must be in [1, 100], got {limit}")
-        items = (await stored(response_id))["input"][:: 1 if order == "asc" else -1]
-        ids = [item["id"] for item in items]
-        if after is not None:
-            if after not in ids:
-                raise invalid("after", f"no input item {after[:80]!r} in this response")
-            items = items[ids.index(after) + 1:]
-        page = items[:limit]
-        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+        return page((await stored(response_id))["input"], after, limit, order, key=lambda item: item["id"])
 
     @app.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(response_id: str) -> dict:

@@ -22,6 +22,7 @@ from pegaserve.api.ledger_view import ledger_view
 from pegaserve.api.model_info import ModelInfo
 from pegaserve.api.observer import RequestObserver
 from pegaserve.api.response_store import MemoryResponseStore, ResponseStore
+from pegaserve.api.stored_chats import StoredChat, StoredChats
 from pegaserve.api.validation import Limits, PromptPlan
 from pegaserve.api.wire import ChoiceResult, Usage, Wire
 from pegaserve.engine.engine import EngineOverloaded, RequestRejected
@@ -48,6 +49,7 @@ class Job:
     include_usage: bool = False
     continuous_usage: bool = False
     beam: BeamPlan | None = None  # use_beam_search: the choices are the best beams (pegaserve/api/beam.py)
+    stored: StoredChat | None = None  # chat's `store`: the whole completion is kept (pegaserve/api/stored_chats.py)
 
     def engine_request(self, p: int) -> EngineRequest:
         """Prompt p's engine request; its id is unique per HTTP request and per prompt."""
@@ -90,6 +92,7 @@ class Frontend:
         self.observer = observer or RequestObserver()
         self.responses = responses or MemoryResponseStore()  # the Responses API's stored responses
         self.background = BackgroundResponses(self.responses)
+        self.chats = StoredChats(self.responses)
 
     async def complete(self, job: Job) -> dict:
         """Non-streaming: run every choice to its end, then one body."""
@@ -99,7 +102,7 @@ class Frontend:
                 results[index].add(delta)
         if any(isinstance(r.finish, Error) for r in results):
             raise ApiError(FAILED, status=500)
-        return job.wire.response(results, job.usage(results))
+        return await self._kept(job, results)
 
     async def stream(self, job: Job) -> AsyncIterator[dict]:
         """Streaming: chunks as they come, one finishing chunk per choice, then usage."""
@@ -117,8 +120,17 @@ class Frontend:
                     role_usage = None if usage is None else Usage(usage.prompt_tokens, 0)  # it shows no token
                     yield job.wire.role_chunk(index, role_usage)
                 yield job.wire.chunk(result, delta, usage)
+        if job.stored is not None:
+            await self._kept(job, results)
         if job.include_usage:
             yield job.wire.usage_chunk(job.usage(results))
+
+    async def _kept(self, job: Job, results: list[ChoiceResult]) -> dict:
+        """The whole completion, once stored if the job is to be (before the client has all of it)."""
+        body = job.wire.response(results, job.usage(results))
+        if job.stored is not None:
+            await self.chats.keep(body, job.stored.messages, job.stored.metadata)
+        return body
 
     async def ledger_record(self, key: str) -> dict | None:
         return await ledger_view(self.ledger, key)

@@ -14,7 +14,6 @@ from pegaserve.api import validation as v
 from pegaserve.api.beam import BeamPlan
 from pegaserve.api.errors import invalid
 from pegaserve.api.frontend import Frontend, Job, new_response_id, now_s
-from pegaserve.api.tools import ToolPlan, chat_tools
 from pegaserve.api.protocol import (
     REFUSED_CHAT,
     REFUSED_COMPLETION,
@@ -24,6 +23,8 @@ from pegaserve.api.protocol import (
     SamplingFields,
     TokenizeRequest,
 )
+from pegaserve.api.stored_chats import StoredChat, check_metadata
+from pegaserve.api.tools import ToolPlan, chat_tools
 from pegaserve.api.wire import Endpoint, Wire
 from pegaserve.tokenizer import Tokenizer
 
@@ -79,9 +80,13 @@ def chat_job(frontend: Frontend, body: ChatCompletionRequest, header_id: str | N
                                  bad_words=bad_words(frontend, body), grammar=grammar, logprob_token_ids=listed),
                    echo_text=echo,
                    prediction=predicted_tokens(frontend, body, grammar is not None or beam is not None))
+    check_metadata(body.metadata)
     response_id = new_response_id("chatcmpl")
     wire = _wire(frontend, body, Endpoint.CHAT, response_id, num_top, role=role, tools=tool_plan)
-    return _job(body, response_id, header_id, [plan], wire, beam)
+    stored = None
+    if body.store:
+        stored = StoredChat([m.model_dump(mode="json", exclude_unset=True) for m in body.messages], body.metadata)
+    return replace(_job(body, response_id, header_id, [plan], wire, beam), stored=stored)
 
 
 def chat_prompt_ids(frontend: Frontend, body: ChatCompletionRequest, tools: list[dict] | None) -> list[int]:

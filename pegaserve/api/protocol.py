@@ -128,8 +128,8 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: JsonValue = None  # "none", "auto", "required" or {"type": "function", "function": {"name": ...}}
     parallel_tool_calls: StrictBool = True  # false: one call at most
     service_tier: Literal["auto", "default"] | None = None  # no effect: one tier
-    metadata: dict[str, str] | None = None  # no effect: nothing is stored
-    store: StrictBool = False  # refused if true
+    metadata: dict[str, str] | None = None  # kept with a stored completion
+    store: StrictBool = False  # kept for GET /v1/chat/completions/{id} (pegaserve/api/stored_chats.py)
     modalities: list[Literal["text"]] | None = None
     # The chat template's (`jobs.template_fields`): a template of the request's own where the server
     # trusts them, and what vLLM hands the template beside the messages
@@ -142,6 +142,13 @@ class ChatCompletionRequest(SamplingFields):
     # Refused unless at their defaults (`REFUSED`):
     audio: JsonValue = None
     web_search_options: JsonValue = None
+
+
+class ChatUpdate(Body):
+    """`POST /v1/chat/completions/{id}`: a stored completion's metadata, replaced (null: none)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    metadata: dict[str, str] | None = None
 
 
 class TextFormat(Body):
@@ -212,7 +219,7 @@ class ResponsesRequest(SamplingKnobs):
 
 REFUSED_SHARED = ("kv_transfer_params", "vllm_xargs")
 REFUSED_COMPLETION = (*REFUSED_SHARED, "suffix")
-REFUSED_CHAT = (*REFUSED_SHARED, "store", "audio", "web_search_options")
+REFUSED_CHAT = (*REFUSED_SHARED, "audio", "web_search_options")
 REFUSED_RESPONSES = ("prompt", "conversation")
 
 

@@ -9,7 +9,8 @@ does not inherit them (OpenAI's rule). The store keeps the most recent `max_resp
 behind Ray one store actor serves every ingress replica (deployments/response_store.py).
 A background response's status moves by `replace`, a compare-and-set, and it carries `alive_until`,
 which its generation renews (`keep_alive`; pegaserve/api/background.py); a streamed one, its
-`events` too, which `keep_alive` adds to.
+`events` too, which `keep_alive` adds to. Stored chat completions (`store` on chat) share the store,
+under their `chatcmpl-` ids (pegaserve/api/stored_chats.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ class ResponseStore(ABC):
     @abstractmethod
     async def delete(self, response_id: str) -> bool:
         """Whether it was there."""
+
+    @abstractmethod
+    async def select(self, prefix: str) -> list[dict]:
+        """Everything stored under an id that starts with `prefix`."""
 
     @abstractmethod
     async def replace(self, response_id: str, stored: dict, statuses: tuple[str, ...]) -> bool:
@@ -64,6 +69,9 @@ class MemoryResponseStore(ResponseStore):
 
     async def delete(self, response_id: str) -> bool:
         return self._stored.pop(response_id, None) is not None
+
+    async def select(self, prefix: str) -> list[dict]:
+        return [stored for key, stored in self._stored.items() if key.startswith(prefix)]
 
     async def replace(self, response_id: str, stored: dict, statuses: tuple[str, ...]) -> bool:
         present = self._stored.get(response_id)

@@ -39,6 +39,7 @@ from pegaserve.api.frontend import Job, new_response_id
 from pegaserve.api.jobs import chat_job, chat_prompt_ids
 from pegaserve.api.protocol import REFUSED_RESPONSES, ChatCompletionRequest, ResponsesRequest, SamplingKnobs
 from pegaserve.api.response_store import ACTIVE, ResponseStore
+from pegaserve.api.stored_chats import check_metadata
 from pegaserve.api.tools import chat_tools
 
 # chat's names for what the Responses API calls otherwise, for the 400s
@@ -78,6 +79,7 @@ def responses_job(frontend, body: ResponsesRequest, header_id: str | None,
         raise invalid("top_logprobs", f'needs include: ["{LOGPROBS}"]')
     if body.max_tool_calls is not None and body.max_tool_calls < 0:
         raise invalid("max_tool_calls", f"must be at least 0, got {body.max_tool_calls}")
+    check_metadata(body.metadata)
     if body.background and not body.store:
         raise invalid("background", "needs store: true (a background response is read back from the store)")
     history = previous["items"] if previous is not None else []

@@ -132,7 +132,11 @@ BEHAVIOUR = {
     "stream_options.include_obfuscation": [BAD_RESPONSES],
     "truncation": [BAD_RESPONSES,
                    "test_responses::test_truncation_auto_leaves_out_the_conversations_start_until_it_fits"],
-    "store": ["test_responses::test_stored_responses_are_read_listed_and_deleted"],
+    "store": ["test_responses::test_stored_responses_are_read_listed_and_deleted",
+              "test_stored_chats::test_a_stored_completion_is_read_back_whole_with_its_messages_streamed_or_not"],
+    "metadata": ["test_stored_chats::test_stored_completions_are_listed_filtered_paged_updated_and_deleted",
+                 "test_stored_chats::test_bad_stored_completion_requests_are_a_400_naming_the_parameter",
+                 "test_background::test_a_background_response_is_queued_then_ends_as_the_foreground_one"],
     "background": ["test_background::test_a_background_response_is_queued_then_ends_as_the_foreground_one",
                    "test_background::test_cancel_stops_the_generation_and_its_engine_request",
                    "test_background::test_a_streamed_background_response_streams_and_replays_from_any_event",
@@ -144,7 +148,6 @@ BEHAVIOUR = {
 # accepted, and by definition changing nothing here: (field, a non-default value)
 NO_EFFECT = {
     "user": "someone",
-    "metadata": {"team": "search"},
     "service_tier": "default",  # one tier
     "spaces_between_special_tokens": False,  # byte-level tokens decode as they are (as vLLM's fast path)
     "safety_identifier": "someone",  # the Responses API's end-user label
@@ -153,7 +156,7 @@ NO_EFFECT = {
 }
 # refused unless at the default: (field, a non-default value)
 REFUSED_VALUES = {
-    "kv_transfer_params": {"x": 1}, "vllm_xargs": {"x": 1}, "suffix": "tail", "store": True,
+    "kv_transfer_params": {"x": 1}, "vllm_xargs": {"x": 1}, "suffix": "tail",
     "audio": {"voice": "x"}, "web_search_options": {},
     # the Responses API's: no server-side conversations or prompts
     "prompt": {"id": "p"},

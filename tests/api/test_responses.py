@@ -189,7 +189,8 @@ def test_bad_responses_bodies_are_a_400_naming_the_parameter(real, body, param):
     assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
 
 
-NO_EFFECT_HERE = {**NO_EFFECT, "include": ["reasoning.encrypted_content", "code_interpreter_call.outputs"]}
+NO_EFFECT_HERE = {**NO_EFFECT, "include": ["reasoning.encrypted_content", "code_interpreter_call.outputs"],
+                  "metadata": {"team": "search"}}  # (a label on the output: the same output)
 
 
 @pytest.mark.parametrize("name", ["user", "metadata", "service_tier", "safety_identifier", "prompt_cache_key",

@@ -144,6 +144,11 @@ def test_a_response_through_pd_is_its_chat_completion_streamed_and_not(gloo_url)
     assert events[-1].type == "response.incomplete" and events[-1].response.usage.output_tokens == 8
     record = httpx.get(f"{gloo_url}/admin/ledger/{response.id}").json()
     assert record["status"] == "finished" and record["handoff"]["fallback"] is None and record["violations"] == []
+    stored_chat = client.chat.completions.create(model="qwen3-tiny", messages=messages, max_completion_tokens=8,
+                                                 temperature=0, store=True, metadata={"pd": "yes"},
+                                                 extra_body={"ignore_eos": True})
+    assert client.chat.completions.retrieve(stored_chat.id).choices[0].message.content == response.output_text
+    assert [c.id for c in client.chat.completions.list(metadata={"pd": "yes"})] == [stored_chat.id]
     # stored in the store actor every ingress replica shares, and continued from there
     assert client.responses.retrieve(events[-1].response.id).output_text == response.output_text
     follow = [*messages[1:], {"role": "assistant", "content": response.output_text}, {"role": "user", "content": "Six?"}]
