@@ -77,6 +77,9 @@ class AppArgs(BaseModel):
     transport: Transport = Field(
         "shm", description="how KV moves from prefill to decode: shm (shared memory between replicas of one node, "
         "gloo across nodes), gloo, nccl (GPUs) or object_store")
+    push_kv: bool = Field(
+        True, description="gloo: a prefill replica paired with one decode replica sends each prompt's KV as it "
+        "leases it, before decode asks (deployments/handoff/push.py); off: decode fetches it")
     transfer_timeout_s: float = Field(30.0, gt=0, description="a KV transfer that takes longer fails")
     lease_timeout_s: float = Field(60.0, ge=0, description="prefill frees a prompt's unfetched KV after this")
     stream_interval: int = Field(

@@ -48,7 +48,8 @@ class Decode(EngineServer):
         await self.engine.received(request_id, transfer.ok)
         if not transfer.ok:
             return self._fell_back(handoff, transfer.transport, transfer.reason)
-        self._received(handoff, lease, transfer.transport, transfer.kv_bytes, transfer.seconds, target.first_block)
+        self._received(handoff, lease, transfer.transport, transfer.kv_bytes, transfer.seconds, target.first_block,
+                       transfer.pushed)
 
     async def _receive_in_engine(self, handoff: Handoff, lease: Lease) -> None:
         """shm on one node: the engine copies the blocks out of the prefill engine's cache as it
@@ -67,10 +68,10 @@ class Decode(EngineServer):
         self._received(handoff, lease, "shm", kv_bytes, receipt.seconds, first_block)
 
     def _received(self, handoff: Handoff, lease: Lease, transport: str, kv_bytes: int, seconds: float,
-                  first_block: int) -> None:
+                  first_block: int, pushed: bool = False) -> None:
         cached_bytes = first_block * lease.block_bytes  # already in this replica's prefix cache
         self.transfers.transferred(transport, kv_bytes, seconds, cached_bytes)
-        self.ledger.record([KvReceived(c, transport, kv_bytes, seconds, self.name, cached_bytes)
+        self.ledger.record([KvReceived(c, transport, kv_bytes, seconds, self.name, cached_bytes, pushed)
                             for c in handoff.choice_ids])
 
     def _fell_back(self, handoff: Handoff, transport: str, reason: str) -> None:

@@ -28,7 +28,7 @@ class Prefill:
         self.ledger = ledger_buffer(self.args, self.name)
         doubles = active_doubles()
         self.sender = KvSender(self.engine, self.name, self.args.transport, self.args.transfer_timeout_s, self.ledger,
-                               doubles.delay_kv_send_s if doubles else 0.0)
+                               doubles.delay_kv_send_s if doubles else 0.0, push=self.args.push_kv)
         await self.sender.start()
         metrics = EngineMetrics(self.args.served_name, "Prefill", self.name)
         stats_board().announce.remote(self.name, self.sender.address)  # where ingresses send releases

@@ -66,6 +66,7 @@ class KvReceived:
     seconds: float
     decode_replica: str
     cached_bytes: int = 0  # prompt KV decode already held in its prefix cache: not moved
+    pushed: bool = False  # prefill sent it before decode asked (deployments/handoff/push.py)
 
 
 @dataclass(frozen=True)
@@ -319,6 +320,7 @@ def _handoff(rec: _Record) -> dict | None:
         "decode_replica": (received or fallback or sent).decode_replica,
         "fallback": fallback.reason if fallback else None,
         "cached_bytes": received.cached_bytes if received else 0,
+        "pushed": received.pushed if received else False,
     }
 
 

@@ -37,6 +37,7 @@ class Lease:
     parked: ParkedKv  # where the prompt's blocks lie in the prefill engine's cache, and for how long
     kv_ref: list | None = None  # object store: [ObjectRef] of the packed prompt (wrapped: Ray must not resolve it)
     shared: SharedCache | None = None  # shm: where a decode replica of the same node maps the prefill's cache
+    pushed_to: str | None = None  # gloo: the pair (its group name) its KV is being pushed on (handoff/push.py)
 
     def fits(self, cache_shape: tuple[int, ...], cache_dtype: str) -> bool:
         """Whether the prompt's blocks have the layout of a cache of this shape and dtype (a pair
@@ -78,14 +79,16 @@ class Fetch:
 @dataclass(frozen=True)
 class Copied:
     """Decode is done with the lease's blocks: it copied them out of the prefill engine's cache
-    itself (same node, `shm`; `held`: the copy was the prompt's, otherwise decode recomputes), or
-    it will not read them (no bytes; it has them cached, or recomputes). Prefill frees them."""
+    itself (same node, `shm`) or out of their push (`gloo`; `held`: the copy was the prompt's,
+    otherwise decode recomputes), or it will not read them (no bytes; it has them cached, or
+    recomputes). Prefill frees them."""
 
     request_id: str
     choice_ids: tuple[str, ...]
     kv_bytes: int
     seconds: float
     held: bool
+    transport: str = "shm"  # or gloo: copied out of what prefill pushed
 
 
 @dataclass(frozen=True)

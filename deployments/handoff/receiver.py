@@ -6,9 +6,10 @@ One connection per prefill replica. With `shm` and both replicas on one node, de
 prefill engine's KV cache (a file in shared memory), copies the blocks itself, checks them against
 their generations and tells prefill it may free them — no round trip. Otherwise the bytes travel
 over the connection's pair channel (gloo, nccl), one transfer at a time, the fetches of a pair in
-the same order on both sides (on gloo the fetch itself goes on the pair). A transfer that fails or
-times out drops the connection and the pair (both sides start over), and the request recomputes
-its prompt.
+the same order on both sides (on gloo the fetch itself goes on the pair), unless prefill pushed
+them before decode asked: then decode copies them out of what landed (handoff/push.py). A
+transfer that fails or times out drops the connection and the pair (both sides start over), and
+the request recomputes its prompt.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 from deployments.channel import Address, Connection, connect
 from deployments.handoff import native
 from deployments.handoff.protocol import Copied, Fetch, Lease, OpenPair, PairOffer, SharedCache
+from deployments.handoff.push import Inbox
 from deployments.handoff.transports import GlooPair, NcclPair, PairChannel, Staging, kv_from_bytes
 from pegaserve.engine.async_engine import AsyncEngine
 from pegaserve.engine.kv_files import MappedKvFiles
@@ -46,12 +48,15 @@ class Transfer:
     reason: str = ""
     kv_bytes: int = 0
     seconds: float = 0.0
+    pushed: bool = False  # prefill sent the bytes before they were asked for (handoff/push.py)
 
 
 @dataclass
 class _Peer:
     connection: Connection
     pair: PairChannel | None = None  # opened on the first transfer that needs one
+    group_name: str = ""  # the pair's
+    inbox: Inbox | None = None  # what prefill pushes on the pair (gloo)
     staging: Staging = field(default_factory=Staging)
 
 
@@ -84,6 +89,7 @@ class KvReceiver:
         replica learns that it may free the lease: from the transfer itself, or told."""
         start = time.perf_counter()
         transport = self.transport_for(lease)
+        pushed = transport == "gloo" and self._pushed_here(lease) is not None  # as `_fetch` will find it
         if not target.block_ids:  # every block of the prompt was already in this replica's cache
             self.release(lease)
             return Transfer(True, transport, seconds=time.perf_counter() - start)
@@ -96,7 +102,7 @@ class KvReceiver:
             return Transfer(False, transport, f"transfer failed: {type(exc).__name__}")
         if kv_bytes is None:
             return Transfer(False, transport, "lease expired or unknown")
-        return Transfer(True, transport, kv_bytes=kv_bytes, seconds=time.perf_counter() - start)
+        return Transfer(True, transport, kv_bytes=kv_bytes, seconds=time.perf_counter() - start, pushed=pushed)
 
     async def _fetch(self, lease: Lease, target: ReceiveTarget, choice_ids: tuple[str, ...],
                      transport: str) -> int | None:
@@ -113,6 +119,12 @@ class KvReceiver:
             raise ValueError(f"{len(source)} blocks leased, {len(target.block_ids)} to fill")
         if transport == "shm":
             return await self._copy_shared(lease, source, target, choice_ids)
+        if (peer := self._pushed_here(lease)) is not None:
+            try:
+                return await self._claim(peer, lease, target, choice_ids)
+            except BaseException:
+                self._drop(lease.address)
+                raise
         fetch = Fetch(lease.request_id, choice_ids, lease.parked, source, tuple(target.block_ids))
         async with self._locks[lease.address]:  # one transfer per connection at a time
             peer = await self._peer(lease)
@@ -121,6 +133,31 @@ class KvReceiver:
             except BaseException:
                 self._drop(lease.address)
                 raise
+
+    def _pushed_here(self, lease: Lease) -> _Peer | None:
+        """The peer whose pair the lease's KV is pushed on, if it is this replica's (handoff/push.py)."""
+        peer = self._peers.get(lease.address)
+        if lease.pushed_to is None or peer is None or peer.inbox is None or peer.group_name != lease.pushed_to:
+            return None
+        return peer
+
+    async def _claim(self, peer: _Peer, lease: Lease, target: ReceiveTarget, choice_ids: tuple[str, ...]) -> int | None:
+        """The pushed KV (once landed) into `target`'s blocks; None (recompute) unless prefill's read
+        of it held. Prefill only hears that it may free the blocks (at once: a fetch under way on
+        the connection does not hold it up)."""
+        start = time.perf_counter()
+        data = await peer.inbox.claim(lease.request_id, self.timeout_s)
+        cache = self.engine.kv_cache
+        kv_bytes = len(target.block_ids) * lease.block_bytes
+        if data is not None:
+            if not lease.fits(tuple(cache.shape), str(data.dtype).removeprefix("torch.")):
+                raise ValueError(f"the pushed KV ({data.dtype} {tuple(data.shape)}) does not fit this cache")
+            await _to_the_end(asyncio.to_thread(copy_blocks, data, list(range(target.first_block, data.shape[2])),
+                                                cache, list(target.block_ids)))
+            peer.inbox.recycle(data)
+        peer.connection.send(Copied(lease.request_id, choice_ids, kv_bytes, time.perf_counter() - start,
+                                    data is not None, "gloo"))
+        return kv_bytes if data is not None else None
 
     async def _copy_shared(self, lease: Lease, source: tuple[int, ...], target: ReceiveTarget,
                            choice_ids: tuple[str, ...]) -> int | None:
@@ -158,6 +195,8 @@ class KvReceiver:
         blocks (it has them all cached, or recomputes): it frees them now, not at the lease's
         expiry. The ingress leaves a lease to the decode call that carried it (deployments/clients.py)."""
         if self.transport_for(lease) != "object_store":  # (that KV left the prefill engine at lease time)
+            if (peer := self._pushed_here(lease)) is not None:
+                peer.inbox.drop(lease.request_id)
             asyncio.ensure_future(self.copied(lease, (), 0, 0.0, held=False))
 
     async def _pull(self, peer: _Peer, fetch: Fetch, lease: Lease) -> int | None:
@@ -199,11 +238,19 @@ class KvReceiver:
         offer = await peer.connection.recv()
         if not isinstance(offer, PairOffer):
             raise ConnectionError("the prefill replica did not offer a pair channel")
+        peer.group_name = group
         if self.transport == "nccl":
             peer.pair = await asyncio.to_thread(NcclPair, group, 1)
         else:
             store = await asyncio.to_thread(GlooPair.join, offer.host, offer.port, self.timeout_s)
             peer.pair = await asyncio.to_thread(GlooPair, store, 1, self.timeout_s)
+            peer.inbox = Inbox(asyncio.get_running_loop())
+            peer.inbox.start(peer.pair, self.name)
+
+    def close(self) -> None:
+        """Leave every prefill replica: connections and pairs close (an inbox ends with its pair)."""
+        for address in list(self._peers):
+            self._drop(address)
 
     def _drop(self, address: Address) -> None:
         peer = self._peers.pop(address, None)

@@ -30,6 +30,7 @@ from deployments.handoff.protocol import (
     ReleaseLease,
     SharedCache,
 )
+from deployments.handoff.push import Pusher
 from deployments.handoff.transports import (
     MAX_FETCH_BYTES,
     GlooPair,
@@ -43,7 +44,7 @@ from deployments.handoff.transports import (
 )
 from pegaserve.engine import core
 from pegaserve.engine.async_engine import AsyncEngine
-from pegaserve.engine.request import EngineRequest, StepOutput
+from pegaserve.engine.request import EngineRequest, ParkedKv, StepOutput
 from pegaserve.engine.runner import pack_blocks
 from pegaserve.ledger import KvSent
 
@@ -53,7 +54,7 @@ TOMBSTONE_S = 120.0
 
 class KvSender:
     def __init__(self, engine: AsyncEngine, name: str, transport: str, timeout_s: float, ledger,
-                 delay_send_s: float = 0.0) -> None:
+                 delay_send_s: float = 0.0, push: bool = True) -> None:
         self.engine = engine
         self.name = name
         self.transport = transport
@@ -62,6 +63,8 @@ class KvSender:
         self.delay_send_s = delay_send_s  # a test double's fault: hold every send back this long
         self._listener = Listener(self._serve)
         self._tombstones: dict[str, float] = {}  # released before they parked -> until when to remember
+        self.push = push and transport == "gloo"  # push each lease's KV where it can (handoff/push.py)
+        self._pushers: dict[Connection, Pusher] = {}  # the gloo pairs open, by their connection
         self.num_pairs = 0
         if transport in ("gloo", "shm"):  # pairs run on gloo
             native.warm_up()
@@ -101,11 +104,42 @@ class KvSender:
         shared = None
         if self.transport == "shm" and self.engine.kv_path is not None:
             shared = SharedCache(ray.get_runtime_context().get_node_id(), self.engine.kv_path, tuple(cache.shape))
+        pushed_to = self._push(request.request_id, parked, len(parked.block_ids) * block_bytes(cache))
         return Lease(request.request_id, self.name, self.address, packed_shape(cache, len(parked.block_ids)),
-                     str(cache.dtype).removeprefix("torch."), block_bytes(cache), parked, kv_ref, shared)
+                     str(cache.dtype).removeprefix("torch."), block_bytes(cache), parked, kv_ref, shared, pushed_to)
+
+    def _push(self, request_id: str, parked: ParkedKv, num_bytes: int) -> str | None:
+        """Push the lease's KV, in a worker thread, to the one decode replica paired (with several,
+        which one will fetch is not known here) while its unclaimed pushes leave room; the pair's
+        group name, or None (not pushed). A failure closes the pair and its connection: decode's
+        claim fails at once and it recomputes; the lease is freed at its expiry."""
+        if not self.push or len(self._pushers) != 1:
+            return None
+        connection, pusher = next(iter(self._pushers.items()))
+        if not pusher.room_for(num_bytes):
+            return None
+        pusher.reserve(request_id, num_bytes, parked.held_until)
+
+        def pushed(done: asyncio.Future) -> None:
+            if not done.cancelled() and done.exception() is not None:
+                log.warning("KV push of %s failed (%s)", request_id, done.exception())
+                connection.close()  # and its pair (`_serve`)
+
+        work = asyncio.get_running_loop().run_in_executor(pusher.thread, pusher.push, request_id, self.engine.kv_cache,
+                                                          parked, self.engine.kv_generations, self.delay_send_s)
+        work.add_done_callback(pushed)
+        return pusher.group_name
 
     async def _serve(self, connection: Connection) -> None:
         """One peer's messages, in order."""
+        try:
+            await self._serve_messages(connection)
+        finally:
+            pusher = self._pushers.pop(connection, None)
+            if pusher is not None:  # its pair ends with it
+                pusher.close(self.timeout_s)
+
+    async def _serve_messages(self, connection: Connection) -> None:
         pair: PairChannel | None = None
         staging = Staging()
         while (message := await connection.recv()) is not None:
@@ -131,6 +165,8 @@ class KvSender:
             connection.send(PairOffer(ray.util.get_node_ip_address(), store.port))
             pair = await asyncio.wait_for(asyncio.to_thread(GlooPair, store, 0, self.timeout_s), self.timeout_s)
         self.num_pairs += 1
+        if isinstance(pair, GlooPair):
+            self._pushers[connection] = Pusher(pair, group_name)
         if pair.carries_fetches:
             threading.Thread(target=self._serve_pair, args=(pair, connection, asyncio.get_running_loop()),
                              name=f"pegaserve-kv-pair-{self.num_pairs}", daemon=True).start()
@@ -192,11 +228,13 @@ class KvSender:
 
     def _copied(self, connection: Connection, copied: Copied) -> None:
         """A decode replica is done with a lease: it copied the blocks out of the shared cache itself
-        (this node), or will not read them."""
+        (this node) or out of what was pushed to it, or will not read them."""
         self.engine.release(copied.request_id)
+        if (pusher := self._pushers.get(connection)) is not None:
+            pusher.claimed(copied.request_id)
         if copied.held:
-            self.ledger.record([KvSent(c, "shm", copied.kv_bytes, copied.seconds, self.name, connection.peer)
-                                for c in copied.choice_ids])
+            self.ledger.record([KvSent(c, copied.transport, copied.kv_bytes, copied.seconds, self.name,
+                                       connection.peer) for c in copied.choice_ids])
 
     async def _release(self, request_id: str) -> None:
         """Free a lease now; one that is not parked yet (still being prefilled) is freed when it

@@ -49,11 +49,11 @@ from pegaserve.engine.runner import Run, block_runs, pack_layer, unpack_layer
 MIN_SLAB_BYTES = 256 << 10
 NATIVE_MIN_SLAB_BYTES = 64 << 10
 _VERDICT_TAG = 1 << 20  # past any block message's tag
-_FETCH_TAG = _VERDICT_TAG + 1
+FETCH_TAG = _VERDICT_TAG + 1
 MAX_FETCH_BYTES = 4 << 20  # a `fetch_message`, ~27 bytes per block: a longer one fails and decode recomputes
 _HEADER = struct.Struct("<qqqd")  # fetch_message's: length, runs, blocks, expiry
 _WORD_BYTES = 8
-_NO_TIMEOUT = datetime.timedelta(days=365)  # a pair idles for as long as no prompt is handed over
+NO_TIMEOUT = datetime.timedelta(days=365)  # a pair idles for as long as no prompt is handed over
 
 
 class _Find(enum.Enum):
@@ -96,33 +96,34 @@ class PairChannel(ABC):
         """Leave the pair (nothing may be in flight on it): the peer's waits on it end."""
 
     def send_with_verdict(self, cache: torch.Tensor, source_ids: Sequence[int], target_ids: Sequence[int],
-                          staging: Staging, verdict: Callable[[], bool], runs: Runs = FIND) -> bool:
+                          staging: Staging, verdict: Callable[[], bool], runs: Runs = FIND, tags: int = 0) -> bool:
         """`send_blocks`, then `verdict()` — were the bytes it read the prompt's? — as the transfer's
         last message; returns it. Blocks (a worker thread's): a send posted after its receive
-        writes the bytes in the caller's thread."""
-        self.send_blocks(cache, source_ids, target_ids, staging, runs)
+        writes the bytes in the caller's thread. `tags`: where this transfer's tags start (a push's
+        are apart from a fetch's: both may be under way on one pair)."""
+        self.send_blocks(cache, source_ids, target_ids, staging, runs, tags)
         ok = verdict()
         flag = staging.flag(cache.device)
         flag.fill_(int(ok))
-        self.post_send(flag, _VERDICT_TAG).wait()
+        self.post_send(flag, tags + _VERDICT_TAG).wait()
         return ok
 
     def start_recv(self, cache: torch.Tensor, source_ids: Sequence[int], target_ids: Sequence[int],
-                   staging: Staging, runs: Runs = FIND) -> Callable[[], bool]:
+                   staging: Staging, runs: Runs = FIND, tags: int = 0) -> Callable[[], bool]:
         """`send_with_verdict`'s other side: posts the receives now where the channel can (gloo), so
         the bytes flow as soon as the peer sends, before any thread is scheduled here, and returns
         the rest, which blocks (for a worker thread) and returns the sender's verdict."""
         flag = staging.flag(cache.device)
         if self.posts_at_once:
-            finish = self._post_recvs(cache, source_ids, target_ids, staging, runs)
-            flag_work = self.post_recv(flag, _VERDICT_TAG)
+            finish = self._post_recvs(cache, source_ids, target_ids, staging, runs, tags)
+            flag_work = self.post_recv(flag, tags + _VERDICT_TAG)
         else:  # posting blocks: all of it in the thread, the verdict after the blocks (matched in order)
-            finish = functools.partial(self.recv_blocks, cache, source_ids, target_ids, staging, runs)
+            finish = functools.partial(self.recv_blocks, cache, source_ids, target_ids, staging, runs, tags)
             flag_work = None
 
         def rest() -> bool:
             finish()
-            (flag_work or self.post_recv(flag, _VERDICT_TAG)).wait()
+            (flag_work or self.post_recv(flag, tags + _VERDICT_TAG)).wait()
             return bool(flag.item())
 
         return rest
@@ -133,7 +134,7 @@ class PairChannel(ABC):
         of the verdict; the fetch says how the blocks travel (`runs`). Returns the rest, which
         blocks (for a worker thread) and returns the sender's verdict."""
         runs = _runs(runs, cache, fetch.source_block_ids, fetch.target_block_ids)
-        asked = self.post_send(fetch_message(fetch, runs), _FETCH_TAG)
+        asked = self.post_send(fetch_message(fetch, runs), FETCH_TAG)
         finish = self.start_recv(cache, fetch.source_block_ids, fetch.target_block_ids, staging, runs)
         return functools.partial(_after, asked, finish)
 
@@ -144,7 +145,7 @@ class PairChannel(ABC):
         them (after `delay_s`, a test's fault) and the verdict (`generations`: the live blocks'). A
         failure after the fetch came leaves it readable by `fetch_in(buffer)`."""
         buffer[:_WORD_BYTES].zero_()
-        self.post_recv(buffer, _FETCH_TAG).wait(_NO_TIMEOUT)
+        self.post_recv(buffer, FETCH_TAG).wait(NO_TIMEOUT)
         fetch, runs = read_fetch(buffer)
         return self.send_fetched(cache, generations, fetch, staging, delay_s, runs)
 
@@ -162,36 +163,36 @@ class PairChannel(ABC):
         return Served(fetch, held, time.perf_counter() - start)
 
     def send_blocks(self, cache: torch.Tensor, source_ids: Sequence[int], target_ids: Sequence[int],
-                    staging: Staging, runs: Runs = FIND) -> None:
+                    staging: Staging, runs: Runs = FIND, tags: int = 0) -> None:
         """Send `cache[:, :, source_ids]` to the peer's `recv_blocks` into its `target_ids` (as slabs
         of `runs`, or packed where they are None; by default as `slab_runs` finds them)."""
         runs = _runs(runs, cache, source_ids, target_ids)
         if runs is not None:
-            works = [self.post_send(slab, tag) for tag, slab in enumerate(_slabs(cache, runs, side=0))]
+            works = [self.post_send(slab, tags + tag) for tag, slab in enumerate(_slabs(cache, runs, side=0))]
         else:
             index = torch.tensor(list(source_ids), device=cache.device)
             buffer = staging.take(packed_shape(cache, len(index)), cache.dtype, cache.device)
             works = []  # each layer travels while the next is packed
             for layer in range(cache.shape[0]):
                 pack_layer(cache, layer, index, buffer[layer])
-                works.append(self.post_send(buffer[layer], layer))
+                works.append(self.post_send(buffer[layer], tags + layer))
         _wait_all(works)
 
     def recv_blocks(self, cache: torch.Tensor, source_ids: Sequence[int], target_ids: Sequence[int],
-                    staging: Staging, runs: Runs = FIND) -> None:
+                    staging: Staging, runs: Runs = FIND, tags: int = 0) -> None:
         """Receive the peer's `send_blocks` into `cache[:, :, target_ids]`."""
-        self._post_recvs(cache, source_ids, target_ids, staging, runs)()
+        self._post_recvs(cache, source_ids, target_ids, staging, runs, tags)()
 
     def _post_recvs(self, cache: torch.Tensor, source_ids: Sequence[int], target_ids: Sequence[int],
-                    staging: Staging, runs: Runs) -> Callable[[], None]:
+                    staging: Staging, runs: Runs, tags: int = 0) -> Callable[[], None]:
         """Post `recv_blocks`'s receives; returns the rest: wait for them (unpacking packed layers)."""
         runs = _runs(runs, cache, source_ids, target_ids)
         if runs is not None:
-            works = [self.post_recv(slab, tag) for tag, slab in enumerate(_slabs(cache, runs, side=1))]
+            works = [self.post_recv(slab, tags + tag) for tag, slab in enumerate(_slabs(cache, runs, side=1))]
             return functools.partial(_wait_all, works)
         index = torch.tensor(list(target_ids), device=cache.device)
         buffer = staging.take(packed_shape(cache, len(index)), cache.dtype, cache.device)
-        works = [self.post_recv(buffer[layer], layer) for layer in range(cache.shape[0])]
+        works = [self.post_recv(buffer[layer], tags + layer) for layer in range(cache.shape[0])]
 
         def unpack() -> None:  # each layer unpacked while the next arrives
             for layer, work in enumerate(works):
@@ -347,7 +348,7 @@ class GlooPair(PairChannel):
         if self._native is None or runs is None:
             return super().pull(cache, fetch, staging, runs)
         return self._native.pull(self._group, cache, fetch_message(fetch, runs), staging.flag(cache.device),
-                                 self._peer, _VERDICT_TAG, _FETCH_TAG).wait
+                                 self._peer, _VERDICT_TAG, FETCH_TAG).wait
 
     def serve_fetch(self, cache: torch.Tensor, generations: Sequence[int], buffer: torch.Tensor, staging: Staging,
                     delay_s: float = 0.0) -> Served:
@@ -356,7 +357,7 @@ class GlooPair(PairChannel):
             return super().serve_fetch(cache, generations, buffer, staging, delay_s)
         buffer[:_WORD_BYTES].zero_()
         done = self._native.serve_fetch(self._group, cache, live, buffer, staging.flag(cache.device), self._peer,
-                                        _VERDICT_TAG, _FETCH_TAG, delay_s)
+                                        _VERDICT_TAG, FETCH_TAG, delay_s)
         fetch, runs = read_fetch(buffer)
         if done.sent:
             return Served(fetch, done.held, done.seconds)

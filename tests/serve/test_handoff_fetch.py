@@ -106,6 +106,8 @@ def run(transport: str, scenario, kv_path: str | None = None) -> None:
         try:
             await asyncio.wait_for(scenario(prefill, sender, receiver), TIMEOUT_S)
         finally:
+            receiver.close()
+            await pairs_closed()
             sender.close()
 
     asyncio.run(main())
@@ -160,7 +162,16 @@ def test_a_lease_decode_will_not_read_is_freed_at_once_without_a_send(transport,
 
 
 def pair_threads() -> int:
-    return sum(t.name.startswith("pegaserve-kv-pair") for t in threading.enumerate())
+    return sum(t.name.startswith(("pegaserve-kv-pair", "pegaserve-kv-inbox")) for t in threading.enumerate())
+
+
+async def pairs_closed() -> None:
+    """Both sides' threads of every pair ended (prefill's closes an inbox's, then its own ends)."""
+    for _ in range(500):
+        if pair_threads() == 0:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{pair_threads()} pair threads left")
 
 
 def test_gloo_a_fetch_never_waits_for_the_senders_event_loop():
@@ -195,6 +206,8 @@ def test_gloo_a_fetch_never_waits_for_the_senders_event_loop():
             free.set()
         assert await released(prefill, "r2")
         assert [r.request_id for r in sender.ledger.records] == ["r1", "r2"]
+        receiver.close()
+        await pairs_closed()
 
     try:
         asyncio.run(main())
@@ -211,17 +224,13 @@ def test_gloo_the_senders_pair_thread_ends_with_the_pair():
 
     async def scenario(prefill, sender, receiver):
         assert (await receiver.fetch(lease_of(sender, "r1"), TARGET, ("r1",))).ok
-        assert pair_threads() == 1
+        assert pair_threads() == 2  # prefill's, and decode's inbox
         misfit = dataclasses.replace(lease_of(sender, "misfit"), kv_dtype="bfloat16")
         failed = await receiver.fetch(misfit, TARGET, ("misfit",))
         assert not failed.ok and failed.reason == "transfer failed: ValueError"
-        for _ in range(500):
-            if pair_threads() == 0:
-                break
-            await asyncio.sleep(0.01)
-        assert pair_threads() == 0
+        await pairs_closed()
         assert (await receiver.fetch(lease_of(sender, "r2"), TARGET, ("r2",))).ok
-        assert sender.num_pairs == 2 and pair_threads() == 1
+        assert sender.num_pairs == 2 and pair_threads() == 2
 
     run("gloo", scenario)
 

@@ -206,6 +206,22 @@ def test_shm_transport_copies_through_shared_memory_and_gives_the_same_tokens(ra
     serve.delete("shm")
 
 
+def test_gloo_pushes_the_kv_before_decode_asks_and_gives_the_same_tokens(ray_serve, reference_tokens):
+    """One prefill and one decode replica over gloo: once their pair is open, each prompt's KV is
+    pushed as prefill leases it (deployments/handoff/push.py); the tokens are the same."""
+    url = deploy("push", {"transport": "gloo", "engine": {"num_blocks": 256}})
+    pushed = []
+    for prompt, expected in zip(PROMPTS[:4], reference_tokens[:4]):
+        ids, request_id = greedy_ids(url, prompt)
+        assert ids == expected
+        handoff = httpx.get(f"{url}/admin/ledger/{request_id}").json()["handoff"]
+        assert handoff["transport"] == "gloo" and handoff["fallback"] is None and handoff["kv_bytes"] > 0
+        pushed.append(handoff["pushed"])
+    assert pushed == [False, True, True, True]  # the first opened the pair
+    wait_for_idle_pools(url, replicas=2)  # prefill freed every block once decode said it had copied them
+    serve.delete("push")
+
+
 def test_the_clients_request_id_is_echoed_once_and_kept_in_the_ledger(gloo_url):
     body = {"prompt": PROMPTS[2], "max_tokens": 3}
     responses = [httpx.post(f"{gloo_url}/v1/completions", json=body, headers={"X-Request-Id": "retry-7"}, timeout=60)
