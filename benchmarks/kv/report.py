@@ -37,11 +37,13 @@ def _handoff_table(result: dict, transport: str) -> list[str]:
         f" {label} {_PATTERN_LABELS[pattern]} ms | handoff / {_PATTERN_LABELS[pattern]} time |" for pattern in on_request)
     num_extra = bool(numpy) + len(on_request)  # pairs of extra columns
     lines = [f"| prompt tokens | KV MiB | handoff ms (median, min-max) | handoff GB/s | {label} ms | {label} GB/s "
-             f"| handoff / {label} time | fallbacks |{extra}", "|---:" * (8 + 2 * num_extra) + "|"]  # fmt: skip
+             f"| handoff / {label} time | fallbacks (pushed) |{extra}", "|---:" * (8 + 2 * num_extra) + "|"]  # fmt: skip
     for length, samples in result["apps"][f"pd-{transport}"].items():
         kv_bytes = _median([s["kv_bytes"] for s in samples])
         seconds = [s["handoff_s"] for s in samples if s["handoff_s"] is not None]
-        fallbacks = sum(1 for s in samples if s["fallback"])
+        fallbacks = str(sum(1 for s in samples if s["fallback"]))
+        if any(s.get("pushed") for s in samples):
+            fallbacks += f" ({sum(1 for s in samples if s.get('pushed'))} pushed)"
         figure = raw.get(int(kv_bytes)) if kv_bytes else None
         if not seconds or not figure:
             lines.append(f"| {length} | — | — | — | — | — | — | {fallbacks} |" + " — | — |" * num_extra)
@@ -100,10 +102,14 @@ def write_kv_report(result: dict, path: Path) -> None:
         "- **handoff** = the ledger's `handoff.seconds`: decode's view, from starting the fetch to the KV in its "
         "blocks and known good (checked against the lease's block generations and expiry; no step of the prefill "
         "engine is waited for) — shm: the decode engine copies the blocks straight out of the prefill engine's cache "
-        "in shared memory and checks them, between two of its steps, as it admits the request; gloo: decode posts "
-        "its receives and sends the fetch on the pair itself, and prefill's thread for that pair sends (runs of "
-        "blocks as slabs cache to cache, else packed layer by layer) and then its verdict, both sides in C++ where "
-        "`deployments/handoff/native.py` built (the machine line says); object store: decode's get and unpack. "
+        "in shared memory and checks them, between two of its steps, as it admits the request; gloo: prefill, paired "
+        "with this one decode replica, pushes each prompt's blocks as it leases them (`push_kv`, the default: "
+        "deployments/handoff/push.py), and decode copies what landed into its blocks, waiting for the rest where it "
+        "has not all landed (the fallbacks column counts the pushed handoffs; the first request of a run opens the "
+        "pair and fetches); a fetch: decode posts its receives and sends the fetch on the pair itself, and "
+        "prefill's thread for that pair sends (runs of blocks as slabs cache to cache, else packed layer by layer) "
+        "and then its verdict, both sides in C++ where `deployments/handoff/native.py` built (the machine line "
+        "says); object store: decode's get and unpack. "
         "**raw** = the same bytes between two plain Ray actors with nothing else (`benchmarks/kv/transport.py`): "
         "gloo is one `ProcessGroupGloo` send/recv (the `GlooPair` the app uses), timed on the receiver, the sender "
         "sending back to back (the bandwidth: its next send is posted before the receive, and gloo's rendezvous "

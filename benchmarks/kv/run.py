@@ -53,6 +53,7 @@ class Sample:
     kv_bytes: int | None = None
     handoff_s: float | None = None
     fallback: str | None = None
+    pushed: bool = False  # gloo: prefill sent the KV before decode asked (deployments/handoff/push.py)
 
 
 def make_prompt(num_tokens: int, index: int) -> list[int]:
@@ -115,6 +116,7 @@ def _add_handoff(sample: Sample, record: dict) -> None:
     sample.kv_bytes = handoff.get("kv_bytes")
     sample.handoff_s = handoff.get("seconds")
     sample.fallback = handoff.get("fallback")
+    sample.pushed = bool(handoff.get("pushed"))
 
 
 def median(values: list[float | None]) -> float | None:
