@@ -58,7 +58,7 @@ class Pusher:
     def __init__(self, pair: PairChannel, group_name: str) -> None:
         self.pair = pair
         self.group_name = group_name  # what a lease pushed on this pair names (`Lease.pushed_to`)
-        self.thread = ThreadPoolExecutor(1, thread_name_prefix="pegaserve-kv-push")  # a push's messages go together
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="pegaserve-kv-push")  # a push's messages go together
         self._staging = Staging()
         self._unclaimed: dict[str, tuple[int, float]] = {}  # request id -> bytes, until (monotonic)
 
@@ -85,8 +85,8 @@ class Pusher:
             except Exception as exc:  # noqa: BLE001 - broken, or decode is gone: nothing is left to end
                 log.debug("the last header of %s was not sent (%s)", self.group_name, exc)
 
-        self.thread.submit(last_header)
-        self.thread.shutdown(wait=False)
+        self.executor.submit(last_header)
+        self.executor.shutdown(wait=False)
 
     def push(self, request_id: str, cache: torch.Tensor, parked: ParkedKv, generations: Sequence[int],
              delay_s: float = 0.0) -> bool:

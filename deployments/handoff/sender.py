@@ -125,7 +125,7 @@ class KvSender:
                 log.warning("KV push of %s failed (%s)", request_id, done.exception())
                 connection.close()  # and its pair (`_serve`)
 
-        work = asyncio.get_running_loop().run_in_executor(pusher.thread, pusher.push, request_id, self.engine.kv_cache,
+        work = asyncio.get_running_loop().run_in_executor(pusher.executor, pusher.push, request_id, self.engine.kv_cache,
                                                           parked, self.engine.kv_generations, self.delay_send_s)
         work.add_done_callback(pushed)
         return pusher.group_name
