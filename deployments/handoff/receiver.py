@@ -89,24 +89,26 @@ class KvReceiver:
         replica learns that it may free the lease: from the transfer itself, or told."""
         start = time.perf_counter()
         transport = self.transport_for(lease)
-        pushed = transport == "gloo" and self._pushed_here(lease) is not None  # as `_fetch` will find it
+        pushed_on = self._pushed_here(lease) if transport == "gloo" else None
         if not target.block_ids:  # every block of the prompt was already in this replica's cache
             self.release(lease)
             return Transfer(True, transport, seconds=time.perf_counter() - start)
         try:
             async with asyncio.timeout(self.timeout_s):  # (not wait_for: its task costs a turn of the loop)
-                kv_bytes = await self._fetch(lease, target, choice_ids, transport)
+                kv_bytes = await self._fetch(lease, target, choice_ids, transport, pushed_on)
         except Exception as exc:
             log.warning("KV fetch of %s failed (%s: %s); recomputing", lease.request_id, type(exc).__name__, exc)
             self.release(lease)
             return Transfer(False, transport, f"transfer failed: {type(exc).__name__}")
         if kv_bytes is None:
             return Transfer(False, transport, "lease expired or unknown")
-        return Transfer(True, transport, kv_bytes=kv_bytes, seconds=time.perf_counter() - start, pushed=pushed)
+        return Transfer(True, transport, kv_bytes=kv_bytes, seconds=time.perf_counter() - start,
+                        pushed=pushed_on is not None)
 
     async def _fetch(self, lease: Lease, target: ReceiveTarget, choice_ids: tuple[str, ...],
-                     transport: str) -> int | None:
-        """The KV bytes written into `target`'s blocks, or None when the lease is gone."""
+                     transport: str, pushed_on: _Peer | None = None) -> int | None:
+        """The KV bytes written into `target`'s blocks (copied out of what was pushed on
+        `pushed_on`'s pair, if it was), or None when the lease is gone."""
         if transport == "object_store":
             if lease.kv_ref is None:
                 return None  # the lease expired before prefill could put the KV in the store
@@ -119,9 +121,9 @@ class KvReceiver:
             raise ValueError(f"{len(source)} blocks leased, {len(target.block_ids)} to fill")
         if transport == "shm":
             return await self._copy_shared(lease, source, target, choice_ids)
-        if (peer := self._pushed_here(lease)) is not None:
+        if pushed_on is not None:
             try:
-                return await self._claim(peer, lease, target, choice_ids)
+                return await self._claim(pushed_on, lease, target, choice_ids)
             except BaseException:
                 self._drop(lease.address)
                 raise

@@ -67,7 +67,7 @@ class StoredChats:
     async def get(self, completion_id: str) -> dict:
         stored = await self.store.get(completion_id) if completion_id.startswith(PREFIX) else None
         if stored is None:
-            raise ApiError(f"no stored chat completion {completion_id[:80]!r}", param="completion_id", status=404)
+            raise _not_stored(completion_id)
         return stored
 
     async def update(self, completion_id: str, metadata: Mapping[str, str] | None) -> dict:
@@ -78,8 +78,8 @@ class StoredChats:
         return stored["completion"]
 
     async def delete(self, completion_id: str) -> dict:
-        await self.get(completion_id)
-        await self.store.delete(completion_id)
+        if not (completion_id.startswith(PREFIX) and await self.store.delete(completion_id)):
+            raise _not_stored(completion_id)
         return {"object": "chat.completion.deleted", "id": completion_id, "deleted": True}
 
     async def list(self, model: str | None, metadata: Mapping[str, str], after: str | None, limit: int,
@@ -92,3 +92,7 @@ class StoredChats:
 
     async def messages(self, completion_id: str, after: str | None, limit: int, order: str) -> dict:
         return page((await self.get(completion_id))["messages"], after, limit, order, key=lambda m: m["id"])
+
+
+def _not_stored(completion_id: str) -> ApiError:
+    return ApiError(f"no stored chat completion {completion_id[:80]!r}", param="completion_id", status=404)

@@ -14,7 +14,7 @@ import openai
 from pegaserve.api.background import BackgroundResponses
 from pegaserve.api.protocol import ResponsesRequest
 from pegaserve.api.response_store import ACTIVE, MemoryResponseStore
-from pegaserve.api.responses import ResponseView
+from pegaserve.api.response_view import ResponseView
 
 LONG = {"max_output_tokens": 3000, "temperature": 0, "ignore_eos": True}  # seconds of decoding: still running
 
