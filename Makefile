@@ -19,11 +19,11 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 model: install
-	$(PY) -m pegaserve.default_model
-	$(PY) -m deployments.handoff.native || echo "the native gloo handoff did not build: the Python one runs"
+	$(PY) -m pegaserve.models.tiny
+	$(PY) -m pegaserve.deployments.handoff.native || echo "the native gloo handoff did not build: the Python one runs"
 
 # Serve's high-throughput mode with HAProxy in front (deployments/env.py says why).
-SERVE_ENV = $(shell $(PY) -c 'from deployments.env import SERVE_ENV; print(" ".join(f"{k}={v}" for k, v in SERVE_ENV.items()))')
+SERVE_ENV = $(shell $(PY) -c 'from pegaserve.deployments.env import SERVE_ENV; print(" ".join(f"{k}={v}" for k, v in SERVE_ENV.items()))')
 
 serve: model
 	env $(SERVE_ENV) $(VENV)/bin/serve run $(CONFIG)

@@ -12,5 +12,5 @@ Shared pieces: `cpu` (CPU accounting, waiting for a quiet machine), `local_serve
 in-process Ray cluster), `reports` (machine description, hand-written notes kept across rewrites),
 `kernels` (kernel microbenchmarks). Stepping an engine until it is idle is
 `pegaserve.engine.offline.run_until_idle`; random Qwen3 checkpoints of any shape come from
-`pegaserve.default_model.write_random_checkpoint`.
+`pegaserve.models.tiny.write_random_checkpoint`.
 """

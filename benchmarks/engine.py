@@ -72,7 +72,7 @@ def make_prompts(num_prompts: int = NUM_PROMPTS, seed: int = PROMPT_SEED) -> lis
 def make_engine(model_dir: Path, max_num_seqs: int, num_blocks: int | None = None):
     """fp32, sdpa attention; by default just enough 16-token blocks for every prompt at once."""
     from pegaserve.engine.build import load_engine  # noqa: PLC0415 - keep --help fast
-    from pegaserve.engine.config import EngineConfig  # noqa: PLC0415
+    from pegaserve.config import EngineConfig  # noqa: PLC0415
 
     if num_blocks is None:
         num_blocks = NUM_PROMPTS * -(-(MAX_PROMPT_TOKENS + NEW_TOKENS) // 16)
@@ -86,7 +86,7 @@ def run_engine(
     """Submit every prompt (EOS ignored; greedy, or sampled at `temperature` with a seed each and
     `sampling`'s other parameters), step until done; (seconds, tokens per prompt)."""
     from pegaserve.engine.offline import run_until_idle, token_ids  # noqa: PLC0415
-    from pegaserve.engine.request import EngineRequest, SamplingParams  # noqa: PLC0415
+    from pegaserve.request import EngineRequest, SamplingParams  # noqa: PLC0415
     from pegaserve.stop import StopPolicy  # noqa: PLC0415
 
     policy = StopPolicy(new_tokens, eos_token_ids=engine.model_config.eos_token_ids, ignore_eos=True)
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args(argv)
 
-    from pegaserve.default_model import build_default_model  # noqa: PLC0415
+    from pegaserve.models.tiny import build_default_model  # noqa: PLC0415
 
     model_dir = args.model or build_default_model()
     prompts = make_prompts()

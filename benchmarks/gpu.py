@@ -161,7 +161,7 @@ def decode_sweep(check: Check, section: Section) -> None:
 
 def _sweep(check: Check, cases, plans, shape: AttentionShape, top: int) -> list[str]:
     from benchmarks import kernels as bench
-    from pegaserve_kernels.decode_attention import _plan_launch
+    from pegaserve.kernels.decode_attention import _plan_launch
 
     summary = [
         "| case | default plan | default µs | best plan | best µs | default / best time |",
@@ -248,7 +248,7 @@ def render(check: Check) -> str:
 
 def dry_run() -> int:
     """No GPU: run every section's code at tiny sizes on the CPU (kernels interpreted), render a report."""
-    from pegaserve_kernels.testing import use_interpreter_without_cuda
+    from pegaserve.kernels.testing import use_interpreter_without_cuda
 
     use_interpreter_without_cuda()  # before the kernel modules are imported
     print("[gpu-check] CUDA is absent: dry run at tiny sizes on the CPU (kernels interpreted)")

@@ -1,7 +1,7 @@
 """The GPU check's engine section: decode throughput of pegaserve's engine (triton and sdpa
 attention) against transformers `generate`, on a random Qwen3 checkpoint of a given shape.
 
-Weights come from `pegaserve.default_model.write_random_checkpoint` (the default model's recipe,
+Weights come from `pegaserve.models.tiny.write_random_checkpoint` (the default model's recipe,
 drawn on the device); the engine is stepped with `pegaserve.engine.offline.run_until_idle`.
 """
 
@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 
-from pegaserve.default_model import Qwen3Shape, write_random_checkpoint
+from pegaserve.models.tiny import Qwen3Shape, write_random_checkpoint
 from pegaserve.engine.build import load_engine
-from pegaserve.engine.config import EngineConfig
+from pegaserve.config import EngineConfig
 from pegaserve.engine.offline import num_tokens, run_until_idle
-from pegaserve.engine.request import EngineRequest, SamplingParams
+from pegaserve.request import EngineRequest, SamplingParams
 from pegaserve.stop import StopPolicy
 
 QWEN3_06B_SHAPE = Qwen3Shape(
@@ -176,8 +176,8 @@ def _sampling_cost_line(batch: int, vocab_size: int, device: str) -> str:
     """Where an engine step's time goes besides the model: sampling where the logits are (what the
     runner does), greedy and at temperature 1, against the CPU route (logits to the CPU, `sample()`)."""
     try:
-        from pegaserve.engine.sampler import SamplingRow, sample
-        from pegaserve.engine.sampling_device import sample_on_device
+        from pegaserve.sample.sampler import SamplingRow, sample
+        from pegaserve.sample.on_device import sample_on_device
 
         logits = torch.randn(batch, vocab_size, device=device)
         greedy = [SamplingRow(SamplingParams(temperature=0.0), 0)] * batch

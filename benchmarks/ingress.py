@@ -27,9 +27,9 @@ from pegaserve.api.app import build_app
 from pegaserve.api.clients import EngineClient, LocalLedgerClient
 from pegaserve.api.frontend import Frontend
 from pegaserve.api.model_info import model_info, served_name
-from pegaserve.default_model import DEFAULT_MODEL_NAME, ensure_model_dir
-from pegaserve.engine.model_config import ModelConfig
-from pegaserve.engine.request import EngineRequest, SampledToken, StepOutput
+from pegaserve.models.tiny import DEFAULT_MODEL_NAME, ensure_model_dir
+from pegaserve.models.config import ModelConfig
+from pegaserve.request import EngineRequest, SampledToken, StepOutput
 from pegaserve.stop import Length
 from pegaserve.tokenizer import Tokenizer
 

@@ -12,20 +12,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from pegaserve_kernels.backend import TritonBackend
-from pegaserve_kernels.block_copy import (
+from pegaserve.attention.triton import TritonBackend
+from pegaserve.kernels.block_copy import (
     gather_blocks,
     gather_blocks_reference,
     scatter_blocks,
     scatter_blocks_reference,
 )  # fmt: skip
-from pegaserve_kernels.decode_attention import paged_decode_attention, paged_decode_attention_reference
-from pegaserve_kernels.norm_rope import add_rms_norm, add_rms_norm_reference, qk_norm_rope, qk_norm_rope_reference
-from pegaserve_kernels.prefill_attention import prefill_attention, prefill_attention_reference
-from pegaserve_kernels.store_kv import store_kv, store_kv_reference
-from pegaserve_kernels.testing import PagedBatch, make_paged_batch, noise, random_qkv
+from pegaserve.kernels.decode_attention import paged_decode_attention, paged_decode_attention_reference
+from pegaserve.kernels.norm_rope import add_rms_norm, add_rms_norm_reference, qk_norm_rope, qk_norm_rope_reference
+from pegaserve.kernels.prefill_attention import prefill_attention, prefill_attention_reference
+from pegaserve.kernels.store_kv import store_kv, store_kv_reference
+from pegaserve.kernels.testing import PagedBatch, make_paged_batch, noise, random_qkv
 
-from pegaserve.engine.attention import AttentionBatch, SdpaBackend
+from pegaserve.attention.backend import AttentionBatch, SdpaBackend
 
 
 @dataclass(frozen=True)

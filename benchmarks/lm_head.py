@@ -1,4 +1,4 @@
-"""LM head benchmark: the AVX-512 kernel (`pegaserve/engine/lm_head.py`) against oneDNN's prepacked
+"""LM head benchmark: the AVX-512 kernel (`pegaserve/cpu/lm_head.py`) against oneDNN's prepacked
 linear and a plain `torch.nn.functional.linear`, one thread, fp32, on the default model's head
 (151936 x 256), with the screened head's argmax and upper bounds (`ScreenedHead`, an fp16 copy of the
 weight: tokens, and bounds with their cell masses, where the others give logits), and the greedy
@@ -36,13 +36,13 @@ def timed_ms(fn: Callable[[], object]) -> float:
 
 
 def microbenchmark(weight: torch.Tensor, repeats: int) -> None:
-    from pegaserve.engine import cpu_kernels  # noqa: PLC0415 - keep --help fast
-    from pegaserve.engine.lm_head import CpuLogits, ScreenedHead  # noqa: PLC0415
+    from pegaserve.cpu import kernels  # noqa: PLC0415 - keep --help fast
+    from pegaserve.cpu.lm_head import CpuLogits, ScreenedHead  # noqa: PLC0415
 
     start = time.perf_counter()
     kernel = CpuLogits(weight)
     built_s = time.perf_counter() - start
-    print(f"kernel head built and packed in {built_s:.2f} s (kernel: {kernel.uses_kernel}, {cpu_kernels.isa()})")
+    print(f"kernel head built and packed in {built_s:.2f} s (kernel: {kernel.uses_kernel}, {kernels.isa()})")
     heads = {"kernel": kernel, "onednn": CpuLogits(weight, allow_kernel=False), "linear": lambda h: F.linear(h, weight)}
     screened = ScreenedHead.of(kernel)
     if screened is not None:
@@ -62,8 +62,8 @@ def microbenchmark(weight: torch.Tensor, repeats: int) -> None:
 
 
 def decode_steps(engine, num_steps: int) -> None:
-    from pegaserve.engine.lm_head import CpuLogits, ScreenedHead  # noqa: PLC0415
-    from pegaserve.engine.request import EngineRequest, SamplingParams  # noqa: PLC0415
+    from pegaserve.cpu.lm_head import CpuLogits, ScreenedHead  # noqa: PLC0415
+    from pegaserve.request import EngineRequest, SamplingParams  # noqa: PLC0415
     from pegaserve.stop import StopPolicy  # noqa: PLC0415
 
     model = engine.runner.model
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=30, help="decode steps timed per head")
     args = parser.parse_args(argv)
     from pegaserve.engine.build import load_engine  # noqa: PLC0415
-    from pegaserve.engine.config import EngineConfig  # noqa: PLC0415
+    from pegaserve.config import EngineConfig  # noqa: PLC0415
 
     torch.set_num_threads(1)
     engine = load_engine(args.model, EngineConfig(num_blocks=512, max_num_seqs=DECODE_BATCH), "sdpa")

@@ -52,7 +52,7 @@ class LocalServe:
     def __enter__(self) -> LocalServe:
         import os  # noqa: PLC0415
 
-        from deployments.env import SERVE_ENV  # noqa: PLC0415 - Serve as `make serve` runs it
+        from pegaserve.deployments.env import SERVE_ENV  # noqa: PLC0415 - Serve as `make serve` runs it
 
         for key, value in SERVE_ENV.items():  # before Ray Serve is imported: it reads them once
             os.environ.setdefault(key, value)
@@ -82,11 +82,11 @@ class LocalServe:
         """Deploy the pegaserve app `args` (deployments/config.py `AppArgs`) at /`name`; its URL."""
         from ray import serve  # noqa: PLC0415
 
-        from deployments.colocated import Colocated  # noqa: PLC0415
-        from deployments.config import AppArgs  # noqa: PLC0415
-        from deployments.decode import Decode  # noqa: PLC0415
-        from deployments.ingress import Ingress  # noqa: PLC0415
-        from deployments.prefill import Prefill  # noqa: PLC0415
+        from pegaserve.deployments.colocated import Colocated  # noqa: PLC0415
+        from pegaserve.deployments.config import AppArgs  # noqa: PLC0415
+        from pegaserve.deployments.decode import Decode  # noqa: PLC0415
+        from pegaserve.deployments.ingress import Ingress  # noqa: PLC0415
+        from pegaserve.deployments.prefill import Prefill  # noqa: PLC0415
 
         plain = AppArgs.model_validate(args).model_dump(mode="json")
         ingress = Ingress.options(ray_actor_options=INGRESS_OPTIONS, max_ongoing_requests=256)

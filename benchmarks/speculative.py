@@ -28,10 +28,10 @@ import torch
 
 from benchmarks.reports import kept_notes, machine
 from pegaserve.engine.build import load_engine
-from pegaserve.engine.config import SpeculativeConfig
+from pegaserve.config import SpeculativeConfig
 from pegaserve.engine.engine import EngineConfig
 from pegaserve.engine.offline import run_until_idle, token_ids
-from pegaserve.engine.request import EngineRequest, SamplingParams
+from pegaserve.request import EngineRequest, SamplingParams
 from pegaserve.stop import StopPolicy
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "bench"

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from ray.serve import Application
 
-from deployments.colocated import Colocated
-from deployments.config import AppArgs
-from deployments.decode import Decode
-from deployments.ingress import Ingress
-from deployments.prefill import Prefill
+from pegaserve.deployments.colocated import Colocated
+from pegaserve.deployments.config import AppArgs
+from pegaserve.deployments.decode import Decode
+from pegaserve.deployments.ingress import Ingress
+from pegaserve.deployments.prefill import Prefill
 
 
 def build_app(args: dict) -> Application:

@@ -20,9 +20,9 @@ from typing import TypeVar
 
 import ray
 
-from deployments.channel import Address
-from deployments.handoff.protocol import Lease
-from pegaserve.engine.request import EngineRequest, SampledToken, StepOutput
+from pegaserve.deployments.channel import Address
+from pegaserve.deployments.handoff.protocol import Lease
+from pegaserve.request import EngineRequest, SampledToken, StepOutput
 
 T = TypeVar("T")
 Choices = tuple[tuple[int, tuple[SampledToken, ...]], ...]  # (choice index, its tokens so far)

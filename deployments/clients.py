@@ -19,16 +19,16 @@ from collections.abc import AsyncIterator, Callable
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 
-from deployments.calls import Choices, ColocatedCall, DecodeCall, PrefillResult, pack, unpack
-from deployments.channel import Address, Connection, connect
-from deployments.handoff.protocol import ReleaseLease
-from deployments.ledger import LedgerBuffer, stats_board
-from deployments.metrics import MigrationMetrics
-from deployments.tokens import TokenInbox
+from pegaserve.deployments.calls import Choices, ColocatedCall, DecodeCall, PrefillResult, pack, unpack
+from pegaserve.deployments.channel import Address, Connection, connect
+from pegaserve.deployments.handoff.protocol import ReleaseLease
+from pegaserve.deployments.ledger import LedgerBuffer, stats_board
+from pegaserve.deployments.metrics import MigrationMetrics
+from pegaserve.deployments.tokens import TokenInbox
 from pegaserve.api.clients import EngineClient, LedgerClient
 from pegaserve.engine.engine import EngineOverloaded, RequestRejected
-from pegaserve.engine.request import EngineRequest, SampledToken, StepOutput
-from pegaserve.engine.stream_interval import StreamInterval
+from pegaserve.request import EngineRequest, SampledToken, StepOutput
+from pegaserve.sched.stream_interval import StreamInterval
 from pegaserve.ledger import Finished, LedgerEvent, Migrated, Prefilled
 
 log = logging.getLogger("ray.serve")
@@ -159,7 +159,7 @@ async def _watch(call, queue: asyncio.Queue, tag: int) -> None:
 
 async def _until_failure(queue: asyncio.Queue, running: dict[str, list[SampledToken]], tag: int,
                          stream_interval: int):
-    """`_outputs_until_failure` through the app's stream interval (`pegaserve.engine.stream_interval`)."""
+    """`_outputs_until_failure` through the app's stream interval (`pegaserve.sched.stream_interval`)."""
     interval = StreamInterval(stream_interval)
     async for item in _outputs_until_failure(queue, running, tag):
         if isinstance(item, BaseException):

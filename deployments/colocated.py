@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from ray import serve
 
-from deployments.calls import ColocatedCall, unpack
-from deployments.engine_server import EngineServer
-from deployments.replica import QUIET
+from pegaserve.deployments.calls import ColocatedCall, unpack
+from pegaserve.deployments.engine_server import EngineServer
+from pegaserve.deployments.replica import QUIET
 from pegaserve.engine import core
-from pegaserve.engine.config import Role
+from pegaserve.config import Role
 
 
 @serve.deployment(name="Colocated", logging_config=QUIET)

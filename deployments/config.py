@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pegaserve.api.model_info import served_name
-from pegaserve.default_model import DEFAULT_MODEL_NAME, ensure_model_dir
+from pegaserve.models.tiny import DEFAULT_MODEL_NAME, ensure_model_dir
 
 Transport = Literal["shm", "gloo", "nccl", "object_store"]
 API_KEYS_ENV = "PEGASERVE_API_KEYS"
@@ -68,7 +68,7 @@ class LimitsArgs(BaseModel):
 
 
 class AppArgs(BaseModel):
-    """`serve run configs/cluster.yaml` passes these to `deployments.app:build_app`."""
+    """`serve run configs/cluster.yaml` passes these to `pegaserve.deployments.app:build_app`."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -6,15 +6,15 @@ from __future__ import annotations
 
 from ray import serve
 
-from deployments.calls import DecodeCall, unpack
-from deployments.engine_server import EngineServer
-from deployments.handoff.protocol import Lease
-from deployments.handoff.receiver import KvReceiver
-from deployments.metrics import TransferMetrics
-from deployments.replica import QUIET
+from pegaserve.deployments.calls import DecodeCall, unpack
+from pegaserve.deployments.engine_server import EngineServer
+from pegaserve.deployments.handoff.protocol import Lease
+from pegaserve.deployments.handoff.receiver import KvReceiver
+from pegaserve.deployments.metrics import TransferMetrics
+from pegaserve.deployments.replica import QUIET
 from pegaserve.engine import core
-from pegaserve.engine.config import Role
-from pegaserve.engine.request import Handoff
+from pegaserve.config import Role
+from pegaserve.request import Handoff
 from pegaserve.ledger import Fallback, KvReceived
 
 

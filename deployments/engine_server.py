@@ -7,15 +7,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable
 
-from deployments.calls import Choices
-from deployments.channel import Address
-from deployments.config import AppArgs
-from deployments.metrics import EngineMetrics
-from deployments.replica import check_engine, ledger_buffer, post_stats_forever, replica_name, start_engine
-from deployments.tokens import TokenRouter
+from pegaserve.deployments.calls import Choices
+from pegaserve.deployments.channel import Address
+from pegaserve.deployments.config import AppArgs
+from pegaserve.deployments.metrics import EngineMetrics
+from pegaserve.deployments.replica import check_engine, ledger_buffer, post_stats_forever, replica_name, start_engine
+from pegaserve.deployments.tokens import TokenRouter
 from pegaserve.engine import core
-from pegaserve.engine.config import Role
-from pegaserve.engine.request import EngineRequest, Handoff
+from pegaserve.config import Role
+from pegaserve.request import EngineRequest, Handoff
 from pegaserve.heap import freeze_startup_heap
 
 

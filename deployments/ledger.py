@@ -18,7 +18,7 @@ import time
 
 import ray
 
-from deployments.channel import Address, Connection, Listener, connect
+from pegaserve.deployments.channel import Address, Connection, Listener, connect
 from pegaserve.ledger import Ledger, LedgerEvent
 
 log = logging.getLogger("ray.serve")

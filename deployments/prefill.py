@@ -7,14 +7,14 @@ import asyncio
 
 from ray import serve
 
-from deployments.calls import PrefillResult, pack, unpack
-from deployments.config import AppArgs
-from deployments.handoff.sender import KvSender
-from deployments.ledger import stats_board
-from deployments.metrics import EngineMetrics
-from deployments.replica import QUIET, check_engine, ledger_buffer, post_stats_forever, replica_name, start_engine
-from pegaserve.engine.config import Role
-from pegaserve.engine.request import EngineRequest
+from pegaserve.deployments.calls import PrefillResult, pack, unpack
+from pegaserve.deployments.config import AppArgs
+from pegaserve.deployments.handoff.sender import KvSender
+from pegaserve.deployments.ledger import stats_board
+from pegaserve.deployments.metrics import EngineMetrics
+from pegaserve.deployments.replica import QUIET, check_engine, ledger_buffer, post_stats_forever, replica_name, start_engine
+from pegaserve.config import Role
+from pegaserve.request import EngineRequest
 from pegaserve.heap import freeze_startup_heap
 from pegaserve.testing.hook import active_doubles
 

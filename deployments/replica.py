@@ -10,12 +10,12 @@ import torch
 from ray import serve
 from ray.serve.schema import LoggingConfig
 
-from deployments.config import AppArgs
-from deployments.ledger import LedgerBuffer, ledger_actor, stats_board
-from deployments.metrics import EngineMetrics
-from pegaserve.default_model import ensure_model_dir
+from pegaserve.deployments.config import AppArgs
+from pegaserve.deployments.ledger import LedgerBuffer, ledger_actor, stats_board
+from pegaserve.deployments.metrics import EngineMetrics
+from pegaserve.models.tiny import ensure_model_dir
 from pegaserve.engine.async_engine import AsyncEngine, StepSink
-from pegaserve.engine.config import EngineConfig, Role, SpeculativeConfig
+from pegaserve.config import EngineConfig, Role, SpeculativeConfig
 from pegaserve.engine.core_process import EngineSpec, ProcessTransport, build_engine
 from pegaserve.engine.engine import EngineStats
 from pegaserve.testing.hook import active_doubles

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import ray
 
-from deployments.ledger import NAMESPACE, DetachedCalls
+from pegaserve.deployments.ledger import NAMESPACE, DetachedCalls
 from pegaserve.api.response_store import MemoryResponseStore, ResponseStore
 
 RESPONSE_STORE_NAME = "pegaserve-responses"

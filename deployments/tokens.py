@@ -19,8 +19,8 @@ import logging
 from collections import defaultdict
 from dataclasses import dataclass
 
-from deployments.channel import Address, Connection, Listener, connect
-from pegaserve.engine.request import StepOutput
+from pegaserve.deployments.channel import Address, Connection, Listener, connect
+from pegaserve.request import StepOutput
 
 log = logging.getLogger("ray.serve")
 

@@ -11,11 +11,11 @@ from pegaserve.api.clients import LocalEngineClient, LocalLedgerClient
 from pegaserve.api.frontend import Frontend
 from pegaserve.api.model_info import model_info, served_name
 from pegaserve.api.validation import Limits
-from pegaserve.default_model import DEFAULT_MODEL_NAME, ensure_model_dir
+from pegaserve.models.tiny import DEFAULT_MODEL_NAME, ensure_model_dir
 from pegaserve.engine.async_engine import AsyncEngine
 from pegaserve.engine.build import load_engine
 from pegaserve.engine.engine import Engine, EngineConfig
-from pegaserve.engine.model_config import ModelConfig
+from pegaserve.models.config import ModelConfig
 from pegaserve.heap import freeze_startup_heap
 from pegaserve.tokenizer import Tokenizer
 

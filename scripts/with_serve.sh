@@ -11,7 +11,7 @@ if curl -sf 127.0.0.1:8000/health >/dev/null 2>&1; then
   exit 2
 fi
 # Serve's high-throughput mode with HAProxy, as `make serve` (deployments/env.py)
-serve_env=$("$VENV/bin/python" -c 'from deployments.env import SERVE_ENV; print(" ".join(f"{k}={v}" for k, v in SERVE_ENV.items()))')
+serve_env=$("$VENV/bin/python" -c 'from pegaserve.deployments.env import SERVE_ENV; print(" ".join(f"{k}={v}" for k, v in SERVE_ENV.items()))')
 env $serve_env "$VENV/bin/serve" run "$CONFIG" >"$LOG" 2>&1 &
 serve_pid=$!
 cleanup() {

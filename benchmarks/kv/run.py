@@ -29,7 +29,7 @@ import torch
 
 from benchmarks.kv.report import write_kv_report
 from benchmarks.reports import DOCS_DIR
-from deployments.handoff import native
+from pegaserve.deployments.handoff import native
 
 TRANSPORTS = ("shm", "gloo", "object_store")
 RAW_OF = {"shm": "gloo"}  # the raw transport a handoff is held against

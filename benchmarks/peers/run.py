@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"{args.peers_python} is missing: run `make peers-install` first")
     args.peers_python = args.peers_python.absolute()  # not resolved: a venv's python is a symlink
 
-    from pegaserve.default_model import build_default_model  # noqa: PLC0415
+    from pegaserve.models.tiny import build_default_model  # noqa: PLC0415
 
     _stop_on_sigterm()
     model_dir = (args.model or build_default_model()).resolve()

@@ -164,7 +164,7 @@ def pegaserve_launch(key: str, config: Path, venv: Path, repo_root: Path) -> Lau
     """`serve run CONFIG` from the repository root, on a Ray instance of its own (RAY_ADDRESS=local:
     never joining a cluster someone else started with `ray start`)."""
     argv = (str(venv / "bin" / "serve"), "run", str(config))
-    from deployments.env import SERVE_ENV  # noqa: PLC0415 - as `make serve` runs it
+    from pegaserve.deployments.env import SERVE_ENV  # noqa: PLC0415 - as `make serve` runs it
 
     return Launch(key, argv, repo_root, PEGASERVE_PORT, ready_timeout_s=300, env={"RAY_ADDRESS": "local", **SERVE_ENV})
 

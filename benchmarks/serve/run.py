@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from benchmarks.engine import make_prompts  # noqa: PLC0415
     from benchmarks.serve.report import write_report  # noqa: PLC0415
-    from pegaserve.default_model import build_default_model  # noqa: PLC0415
+    from pegaserve.models.tiny import build_default_model  # noqa: PLC0415
 
     levels = tuple(int(c) for c in args.levels.split(","))
     keys = [k.strip() for k in args.systems.split(",") if k.strip()]

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from deployments.channel import Address
-from pegaserve.engine.request import ParkedKv
+from pegaserve.deployments.channel import Address
+from pegaserve.request import ParkedKv
 
 
 @dataclass(frozen=True)

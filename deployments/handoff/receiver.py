@@ -24,15 +24,15 @@ from dataclasses import dataclass, field
 import ray
 import torch
 
-from deployments.channel import Address, Connection, connect
-from deployments.handoff import native
-from deployments.handoff.protocol import Copied, Fetch, Lease, OpenPair, PairOffer, SharedCache
-from deployments.handoff.push import Inbox
-from deployments.handoff.transports import GlooPair, NcclPair, PairChannel, Staging, kv_from_bytes
+from pegaserve.deployments.channel import Address, Connection, connect
+from pegaserve.deployments.handoff import native
+from pegaserve.deployments.handoff.protocol import Copied, Fetch, Lease, OpenPair, PairOffer, SharedCache
+from pegaserve.deployments.handoff.push import Inbox
+from pegaserve.deployments.handoff.transports import GlooPair, NcclPair, PairChannel, Staging, kv_from_bytes
 from pegaserve.engine.async_engine import AsyncEngine
-from pegaserve.engine.kv_files import MappedKvFiles
-from pegaserve.engine.request import ReceiveTarget
-from pegaserve.engine.runner import copy_blocks, unpack_blocks
+from pegaserve.kv.files import MappedKvFiles
+from pegaserve.request import ReceiveTarget
+from pegaserve.runner.model_runner import copy_blocks, unpack_blocks
 
 log = logging.getLogger("ray.serve")
 MAX_MAPPED_CACHES = 8  # prefill caches kept mapped (one per prefill replica of this node)

@@ -19,9 +19,9 @@ import time
 import ray
 import torch
 
-from deployments.channel import Address, Connection, Listener
-from deployments.handoff import native
-from deployments.handoff.protocol import (
+from pegaserve.deployments.channel import Address, Connection, Listener
+from pegaserve.deployments.handoff import native
+from pegaserve.deployments.handoff.protocol import (
     Copied,
     Fetch,
     Lease,
@@ -30,8 +30,8 @@ from deployments.handoff.protocol import (
     ReleaseLease,
     SharedCache,
 )
-from deployments.handoff.push import Pusher
-from deployments.handoff.transports import (
+from pegaserve.deployments.handoff.push import Pusher
+from pegaserve.deployments.handoff.transports import (
     MAX_FETCH_BYTES,
     GlooPair,
     NcclPair,
@@ -44,8 +44,8 @@ from deployments.handoff.transports import (
 )
 from pegaserve.engine import core
 from pegaserve.engine.async_engine import AsyncEngine
-from pegaserve.engine.request import EngineRequest, ParkedKv, StepOutput
-from pegaserve.engine.runner import pack_blocks
+from pegaserve.request import EngineRequest, ParkedKv, StepOutput
+from pegaserve.runner.model_runner import pack_blocks
 from pegaserve.ledger import KvSent
 
 log = logging.getLogger("ray.serve")

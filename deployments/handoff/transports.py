@@ -39,10 +39,10 @@ import numpy as np
 import ray
 import torch
 
-from deployments.handoff import native
-from deployments.handoff.protocol import Fetch
-from pegaserve.engine.request import ParkedKv
-from pegaserve.engine.runner import Run, block_runs, pack_layer, unpack_layer
+from pegaserve.deployments.handoff import native
+from pegaserve.deployments.handoff.protocol import Fetch
+from pegaserve.request import ParkedKv
+from pegaserve.runner.model_runner import Run, block_runs, pack_layer, unpack_layer
 
 # Below, a message's fixed cost outweighs the copies it saves: ~30 us posted from Python on loopback
 # gloo, ~100 us after an idle spell; ~10 and ~25 us from C++ (a gloo pair's `native` side decides).

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pegaserve.engine.request import SampledToken, StepOutput, add_counts
-from pegaserve.engine.sampler import TokenScore
+from pegaserve.request import SampledToken, StepOutput, add_counts
+from pegaserve.sample.sampler import TokenScore
 from pegaserve.stop import Eos, StopCause, String, Token
 from pegaserve.tokenizer import Detokenizer
 

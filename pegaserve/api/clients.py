@@ -9,7 +9,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 
 from pegaserve.engine.async_engine import AsyncEngine
-from pegaserve.engine.request import EngineRequest, StepOutput
+from pegaserve.request import EngineRequest, StepOutput
 from pegaserve.ledger import Ledger, LedgerEvent
 
 

@@ -6,7 +6,7 @@ as `tool_calls`, as vLLM's `hermes` parser reads the models that write them (Qwe
   before the first one the message's content (null if empty), and the finish `tool_calls`. A block
   that is not a call's JSON leaves the whole text as content, as vLLM does.
 - `"required"`: the output is a JSON array of calls `[{"name", "parameters"}]`, held to the tools'
-  schemas by a grammar (pegaserve/engine/grammar.py), vLLM's form; `parallel_tool_calls: false`
+  schemas by a grammar (pegaserve/sample/grammar.py), vLLM's form; `parallel_tool_calls: false`
   allows one.
 - a named function: the output is that function's arguments, held to its schema; the finish `stop`.
 - `"none"` (the default without tools): the tools are not shown to the model, nothing is parsed.
@@ -25,7 +25,7 @@ import uuid
 from dataclasses import dataclass, replace
 
 from pegaserve.api.errors import invalid
-from pegaserve.engine.grammar import GrammarSpec
+from pegaserve.sample.grammar import GrammarSpec
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 

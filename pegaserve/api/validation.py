@@ -14,8 +14,8 @@ from pegaserve.api.choice import StopStrings
 from pegaserve.api.errors import ApiError, invalid
 from pegaserve.api.model_info import ModelInfo
 from pegaserve.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from pegaserve.engine.grammar import GrammarSpec
-from pegaserve.engine.request import SamplingParams
+from pegaserve.sample.grammar import GrammarSpec
+from pegaserve.request import SamplingParams
 from pegaserve.stop import StopPolicy
 
 MAX_LOGPROBS = 20
@@ -300,7 +300,7 @@ _GUIDED_KINDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_
 
 
 def structured_output(body: SamplingFields, tool_grammar: GrammarSpec | None = None) -> GrammarSpec | None:
-    """The grammar the output must match (pegaserve/engine/grammar.py), from whichever one field
+    """The grammar the output must match (pegaserve/sample/grammar.py), from whichever one field
     asks for one: response_format (json_object, json_schema), structured_outputs, a guided_* field,
     or tool_choice (`tool_grammar`: pegaserve/api/tools.py)."""
     asked: list[tuple[str, GrammarSpec]] = [] if tool_grammar is None else [("tool_choice", tool_grammar)]

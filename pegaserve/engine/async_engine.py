@@ -22,7 +22,7 @@ import torch
 from pegaserve.engine import core
 from pegaserve.engine.core import Command, EngineCore, Health, run_loop
 from pegaserve.engine.engine import Engine, EngineStats
-from pegaserve.engine.request import EngineRequest, Handoff, ReceiveTarget, StepOutput
+from pegaserve.request import EngineRequest, Handoff, ReceiveTarget, StepOutput
 from pegaserve.stop import Error
 
 log = logging.getLogger(__name__)

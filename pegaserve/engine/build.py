@@ -6,10 +6,10 @@ from pathlib import Path
 
 import torch
 
-from pegaserve.engine.attention import make_backend
+from pegaserve.attention.backend import make_backend
 from pegaserve.engine.engine import Engine, EngineConfig
-from pegaserve.engine.loader import load_model
-from pegaserve.engine.model_config import ModelConfig
+from pegaserve.models.loader import load_model
+from pegaserve.models.config import ModelConfig
 
 
 def load_engine(

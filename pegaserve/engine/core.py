@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from pegaserve.engine.engine import Engine
-from pegaserve.engine.kv_files import MappedKvFiles
-from pegaserve.engine.request import EngineRequest, Handoff, ParkedKv, StepOutput
+from pegaserve.kv.files import MappedKvFiles
+from pegaserve.request import EngineRequest, Handoff, ParkedKv, StepOutput
 
 log = logging.getLogger(__name__)
 LEASE_CHECK_PERIOD_S = 0.5

@@ -38,8 +38,8 @@ from pathlib import Path
 import torch
 
 from pegaserve.engine.async_engine import EngineDead, Transport
-from pegaserve.engine.kv_files import map_kv_file
-from pegaserve.engine.config import EngineConfig
+from pegaserve.kv.files import map_kv_file
+from pegaserve.config import EngineConfig
 from pegaserve.engine.core import Command, EngineCore, Health, run_loop
 from pegaserve.heap import freeze_startup_heap
 

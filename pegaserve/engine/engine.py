@@ -16,14 +16,14 @@ from dataclasses import dataclass
 
 import torch
 
-from pegaserve.engine.block_pool import BlockPool
-from pegaserve.engine.config import EngineConfig, Role, SpeculativeConfig
-from pegaserve.engine.grammar import Grammars
-from pegaserve.engine.kv_manager import KvCacheManager
-from pegaserve.engine.request import EngineRequest, Handoff, ParkedKv, ReceiveTarget, RequestState, StepOutput
-from pegaserve.engine.runner import ModelRunner, copy_blocks
-from pegaserve.engine.scheduler import Scheduler
-from pegaserve.engine.spec import make_proposer
+from pegaserve.kv.block_pool import BlockPool
+from pegaserve.config import EngineConfig, Role, SpeculativeConfig
+from pegaserve.sample.grammar import Grammars
+from pegaserve.kv.manager import KvCacheManager
+from pegaserve.request import EngineRequest, Handoff, ParkedKv, ReceiveTarget, RequestState, StepOutput
+from pegaserve.runner.model_runner import ModelRunner, copy_blocks
+from pegaserve.sched.scheduler import Scheduler
+from pegaserve.sched.speculation import make_proposer
 
 log = logging.getLogger(__name__)
 __all__ = ["Engine", "EngineConfig", "EngineOverloaded", "EngineStats", "RequestRejected", "Role",

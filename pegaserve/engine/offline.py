@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol
 
-from pegaserve.engine.request import StepOutput
+from pegaserve.request import StepOutput
 
 
 class SteppedEngine(Protocol):

@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from pegaserve.engine.attention import AttentionBatch, gather_context, store_kv
-from pegaserve.engine.model_config import ModelConfig
+from pegaserve.attention.backend import AttentionBatch, gather_context, store_kv
+from pegaserve.models.config import ModelConfig
 
 RUNNER_UP_LOGIT = 10.0  # what wins when the scripted token is masked (min_tokens)
 

@@ -6,7 +6,7 @@ import pytest
 from pegaserve.api.choice import ChoiceStream, StopStrings
 from pegaserve.engine.engine import EngineConfig, SpeculativeConfig
 from pegaserve.engine.offline import run_until_idle
-from pegaserve.engine.request import EngineRequest, SampledToken, SamplingParams, StepOutput
+from pegaserve.request import EngineRequest, SampledToken, SamplingParams, StepOutput
 from pegaserve.stop import Eos, Length, StopPolicy, String, Token
 from pegaserve.testing.scripted import scripted_engine
 from pegaserve.tokenizer import Tokenizer
@@ -110,7 +110,7 @@ def test_rule_18_an_excluded_trigger_adds_no_text_but_is_released(tokenizer, tin
 
 
 def test_stream_interval_recuts_outputs_and_never_holds_the_first_token_or_the_finish():
-    from pegaserve.engine.stream_interval import StreamInterval
+    from pegaserve.sched.stream_interval import StreamInterval
 
     outputs = [StepOutput("r", tokens(100 + i)) for i in range(6)] + [StepOutput("r", tokens(200), Length())]
 

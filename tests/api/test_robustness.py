@@ -18,7 +18,7 @@ from pegaserve.api.errors import ApiError
 from pegaserve.api.frontend import FAILED
 from pegaserve.api.protocol import CompletionRequest
 from pegaserve.api.validation import Limits
-from pegaserve.engine.request import StepOutput
+from pegaserve.request import StepOutput
 from pegaserve.stop import Error
 from tests.api.helpers import PROMPT, raw_json, scripted_frontend
 from tests.api.test_fuzz import (

@@ -1,5 +1,5 @@
 """Structured outputs: response_format (json_object, json_schema), vLLM's structured_outputs and its
-older guided_* fields, each a grammar the output keeps to (pegaserve/engine/grammar.py), streaming
+older guided_* fields, each a grammar the output keeps to (pegaserve/sample/grammar.py), streaming
 and not; a bad grammar, or two at once, is a 400 naming the field."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import json
 import httpx
 import pytest
 
-from pegaserve.engine.grammar import GrammarSpec
+from pegaserve.sample.grammar import GrammarSpec
 from tests.api.helpers import sse_chunks
 from tests.api.test_fields import post as post_to
-from tests.engine.test_grammar import character_matcher
+from tests.sample.test_grammar import character_matcher
 
 SCHEMA = {"type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"], "additionalProperties": False}
 

@@ -17,7 +17,7 @@ from pegaserve.engine.engine import EngineConfig, RequestRejected, Role
 from pegaserve.engine.offline import token_ids
 from pegaserve.stop import Error, Length
 from pegaserve.testing.scripted import scripted_engine
-from tests.engine.helpers import PROMPTS, greedy_request
+from tests.helpers import PROMPTS, greedy_request
 
 
 async def collect(engine: AsyncEngine, request) -> list:

@@ -7,10 +7,10 @@ from transformers import Qwen3ForCausalLM
 
 from pegaserve.engine.build import load_engine
 from pegaserve.engine.engine import EngineConfig, Role
-from pegaserve.engine.request import EngineRequest, Handoff, SamplingParams
+from pegaserve.request import EngineRequest, Handoff, SamplingParams
 from pegaserve.stop import Length, StopPolicy
 from pegaserve.testing.scripted import scripted_engine
-from tests.engine.helpers import EOS_IDS, PROMPTS, run_to_completion, token_ids
+from tests.helpers import EOS_IDS, PROMPTS, run_to_completion, token_ids
 
 NEW_TOKENS = 10
 

@@ -5,9 +5,9 @@ import torch
 from transformers import Qwen3ForCausalLM
 
 from pegaserve.engine.build import load_engine
-from pegaserve.engine import lm_head
+from pegaserve.cpu import lm_head
 from pegaserve.engine.engine import EngineConfig, Role
-from tests.engine.helpers import PROMPTS, greedy_request, run_to_completion, token_ids
+from tests.helpers import PROMPTS, greedy_request, run_to_completion, token_ids
 
 NEW_TOKENS = 32
 

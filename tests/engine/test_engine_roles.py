@@ -7,10 +7,10 @@ import torch
 
 from pegaserve.engine.build import load_engine
 from pegaserve.engine.engine import EngineConfig, Role
-from pegaserve.engine.request import Handoff, SamplingParams
+from pegaserve.request import Handoff, SamplingParams
 from pegaserve.stop import Eos, Length
 from pegaserve.testing.scripted import scripted_engine
-from tests.engine.helpers import EOS_IDS, PROMPTS, greedy_request, run_to_completion, token_ids
+from tests.helpers import EOS_IDS, PROMPTS, greedy_request, run_to_completion, token_ids
 
 NEW_TOKENS = 24
 

@@ -6,18 +6,18 @@ compiled, in fp32/fp16/bf16, plus a few serving-sized ones.
 
 import pytest
 import torch
-from pegaserve_kernels.testing import kernel_devices, kernel_dtypes, kernels_unavailable_reason
+from pegaserve.kernels.testing import kernel_devices, kernel_dtypes, kernels_unavailable_reason
 
 if (reason := kernels_unavailable_reason()) is not None:
     pytest.skip(reason, allow_module_level=True)
 
-from pegaserve_kernels.decode_attention import (  # noqa: E402
+from pegaserve.kernels.decode_attention import (  # noqa: E402
     paged_decode_attention,
     paged_decode_attention_reference,
     plan_splits,
 )
-from pegaserve_kernels.prefill_attention import prefill_attention, prefill_attention_reference  # noqa: E402
-from pegaserve_kernels.testing import make_paged_batch, random_qkv, tolerance  # noqa: E402
+from pegaserve.kernels.prefill_attention import prefill_attention, prefill_attention_reference  # noqa: E402
+from pegaserve.kernels.testing import make_paged_batch, random_qkv, tolerance  # noqa: E402
 
 DEVICE_DTYPES = [(d, t) for d in kernel_devices() for t in kernel_dtypes(d)]
 # (num_heads, num_kv_heads, head_dim): GQA ratios 1, 2, 4, and a head_dim that is not a power of 2

@@ -3,19 +3,19 @@ gather (pack) / scatter (unpack) of whole blocks across all layers."""
 
 import pytest
 import torch
-from pegaserve_kernels.testing import kernel_devices, kernel_dtypes, kernels_unavailable_reason
+from pegaserve.kernels.testing import kernel_devices, kernel_dtypes, kernels_unavailable_reason
 
 if (reason := kernels_unavailable_reason()) is not None:
     pytest.skip(reason, allow_module_level=True)
 
-from pegaserve_kernels.block_copy import (  # noqa: E402
+from pegaserve.kernels.block_copy import (  # noqa: E402
     gather_blocks,
     gather_blocks_reference,
     scatter_blocks,
     scatter_blocks_reference,
 )
-from pegaserve_kernels.store_kv import store_kv, store_kv_reference  # noqa: E402
-from pegaserve_kernels.testing import make_paged_batch, noise, random_qkv  # noqa: E402
+from pegaserve.kernels.store_kv import store_kv, store_kv_reference  # noqa: E402
+from pegaserve.kernels.testing import make_paged_batch, noise, random_qkv  # noqa: E402
 
 DEVICE_DTYPES = [(d, t) for d in kernel_devices() for t in kernel_dtypes(d)]
 

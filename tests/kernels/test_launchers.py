@@ -2,15 +2,15 @@
 
 import pytest
 import torch
-from pegaserve_kernels.testing import kernel_devices, kernels_unavailable_reason
+from pegaserve.kernels.testing import kernel_devices, kernels_unavailable_reason
 
 if (reason := kernels_unavailable_reason()) is not None:
     pytest.skip(reason, allow_module_level=True)
 
-from pegaserve_kernels.block_copy import gather_blocks, scatter_blocks  # noqa: E402
-from pegaserve_kernels.decode_attention import paged_decode_attention  # noqa: E402
-from pegaserve_kernels.prefill_attention import prefill_attention  # noqa: E402
-from pegaserve_kernels.store_kv import store_kv  # noqa: E402
+from pegaserve.kernels.block_copy import gather_blocks, scatter_blocks  # noqa: E402
+from pegaserve.kernels.decode_attention import paged_decode_attention  # noqa: E402
+from pegaserve.kernels.prefill_attention import prefill_attention  # noqa: E402
+from pegaserve.kernels.store_kv import store_kv  # noqa: E402
 
 DEVICE = kernel_devices()[0]
 BS, KVH, HD = 8, 2, 16

@@ -3,20 +3,20 @@
 
 import pytest
 import torch
-from pegaserve_kernels.testing import kernel_devices, kernel_dtypes, kernels_unavailable_reason
+from pegaserve.kernels.testing import kernel_devices, kernel_dtypes, kernels_unavailable_reason
 
 if (reason := kernels_unavailable_reason()) is not None:
     pytest.skip(reason, allow_module_level=True)
 
-from pegaserve_kernels.norm_rope import (  # noqa: E402
+from pegaserve.kernels.norm_rope import (  # noqa: E402
     add_rms_norm,
     add_rms_norm_reference,
     qk_norm_rope,
     qk_norm_rope_reference,
 )
-from pegaserve_kernels.testing import noise, tolerance  # noqa: E402
+from pegaserve.kernels.testing import noise, tolerance  # noqa: E402
 
-from pegaserve.engine.qwen3 import RMSNorm, Rotary  # noqa: E402
+from pegaserve.models.qwen3 import RMSNorm, Rotary  # noqa: E402
 
 DEVICE_DTYPES = [(d, t) for d in kernel_devices() for t in kernel_dtypes(d)]
 EPS = 1e-6

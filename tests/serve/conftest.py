@@ -3,7 +3,7 @@
 
 import os
 
-from deployments.env import SERVE_ENV
+from pegaserve.deployments.env import SERVE_ENV
 
 os.environ.update({k: v for k, v in SERVE_ENV.items() if k not in os.environ})
 # a deleted test app's ingress need not wait the 30 s a load balancer may take to deregister it

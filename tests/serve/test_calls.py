@@ -7,10 +7,10 @@ from dataclasses import replace
 import pytest
 import ray
 
-from deployments.calls import DecodeCall, PrefillResult, pack, unpack
-from deployments.channel import Address
-from deployments.handoff.protocol import Lease
-from pegaserve.engine.request import EngineRequest, ParkedKv, SampledToken, SamplingParams, StepOutput
+from pegaserve.deployments.calls import DecodeCall, PrefillResult, pack, unpack
+from pegaserve.deployments.channel import Address
+from pegaserve.deployments.handoff.protocol import Lease
+from pegaserve.request import EngineRequest, ParkedKv, SampledToken, SamplingParams, StepOutput
 from pegaserve.stop import Length, StopPolicy
 
 REQUEST = EngineRequest("cmpl-1", (220, 16, 11), SamplingParams(seed=7, logit_bias=((5, 1.5),)),

@@ -4,9 +4,9 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from deployments.config import AppArgs
-from deployments.replica import engine_config
-from pegaserve.engine.config import Role
+from pegaserve.deployments.config import AppArgs
+from pegaserve.deployments.replica import engine_config
+from pegaserve.config import Role
 
 
 def test_defaults_are_the_cpu_pd_app(tiny_model_dir):

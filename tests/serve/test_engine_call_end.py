@@ -4,8 +4,8 @@ leaves its call to end on its own; a request given up part way (the client left)
 import asyncio
 import itertools
 
-from deployments.clients import ColocatedClient
-from pegaserve.engine.request import EngineRequest, SampledToken, SamplingParams, StepOutput
+from pegaserve.deployments.clients import ColocatedClient
+from pegaserve.request import EngineRequest, SampledToken, SamplingParams, StepOutput
 from pegaserve.stop import Length, StopPolicy
 
 REQUEST = EngineRequest("cmpl-1", (220, 16), SamplingParams(), StopPolicy(2, frozenset(), frozenset()), n=1)

@@ -12,9 +12,9 @@ import pytest
 import ray
 from ray import serve
 
-from deployments.ledger import LEDGER_NAME, LEDGER_NAMESPACE, NAMESPACE
-from deployments.response_store import RESPONSE_STORE_NAME
-from tests.engine.helpers import PROMPTS
+from pegaserve.deployments.ledger import LEDGER_NAME, LEDGER_NAMESPACE, NAMESPACE
+from pegaserve.deployments.response_store import RESPONSE_STORE_NAME
+from tests.helpers import PROMPTS
 from tests.serve.helpers import deploy, start_ray, wait_for_idle_pools, wait_healthy
 
 pytestmark = pytest.mark.ray

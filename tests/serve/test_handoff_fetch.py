@@ -17,13 +17,13 @@ import pytest
 import ray
 import torch
 
-from deployments.handoff import transports
-from deployments.handoff.protocol import Lease, SharedCache
-from deployments.handoff.receiver import KvReceiver
-from deployments.handoff.sender import KvSender
-from deployments.handoff.transports import block_bytes, packed_shape
+from pegaserve.deployments.handoff import transports
+from pegaserve.deployments.handoff.protocol import Lease, SharedCache
+from pegaserve.deployments.handoff.receiver import KvReceiver
+from pegaserve.deployments.handoff.sender import KvSender
+from pegaserve.deployments.handoff.transports import block_bytes, packed_shape
 from pegaserve.engine.core_process import SHM_DIR, map_kv_file
-from pegaserve.engine.request import ParkedKv, ReceiveTarget
+from pegaserve.request import ParkedKv, ReceiveTarget
 
 TIMEOUT_S = 30.0
 SHAPE = (3, 2, 40, 4, 2, 8)  # [layers, 2, blocks, block_size, kv_heads, head_dim]

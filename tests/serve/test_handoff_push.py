@@ -12,9 +12,9 @@ from types import SimpleNamespace
 
 import torch
 
-from deployments.handoff.receiver import KvReceiver
-from deployments.handoff.sender import KvSender
-from pegaserve.engine.request import ParkedKv, StepOutput
+from pegaserve.deployments.handoff.receiver import KvReceiver
+from pegaserve.deployments.handoff.sender import KvSender
+from pegaserve.request import ParkedKv, StepOutput
 from tests.serve.test_handoff_fetch import (
     PROMPT_BLOCKS,
     SHAPE,

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from deployments.ledger import LedgerActor, LedgerBuffer
+from pegaserve.deployments.ledger import LedgerActor, LedgerBuffer
 from pegaserve.ledger import Arrived, Finished, TokensCommitted
 from pegaserve.stop import Length
 

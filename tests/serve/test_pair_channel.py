@@ -10,11 +10,11 @@ from array import array
 import pytest
 import torch
 
-from deployments.channel import Address
-from deployments.handoff import native, transports
-from deployments.handoff.protocol import Fetch, Lease
-from deployments.handoff.transports import GlooPair, Staging, slab_runs
-from pegaserve.engine.request import ParkedKv
+from pegaserve.deployments.channel import Address
+from pegaserve.deployments.handoff import native, transports
+from pegaserve.deployments.handoff.protocol import Fetch, Lease
+from pegaserve.deployments.handoff.transports import GlooPair, Staging, slab_runs
+from pegaserve.request import ParkedKv
 
 TIMEOUT_S = 30.0
 LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 3, 4, 2, 8

@@ -19,7 +19,7 @@ from tests.contract import cases
 from tests.contract.cases import CASES
 from tests.api.helpers import reference_beams
 from tests.contract.checks import check_case
-from tests.engine.helpers import PROMPTS
+from tests.helpers import PROMPTS
 from tests.serve.helpers import deploy, start_ray, wait_for_idle_pools
 
 pytestmark = pytest.mark.ray

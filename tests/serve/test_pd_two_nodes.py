@@ -13,7 +13,7 @@ from ray.cluster_utils import Cluster
 from ray.util.state import list_actors
 from transformers import Qwen3ForCausalLM
 
-from tests.engine.helpers import PROMPTS
+from tests.helpers import PROMPTS
 from tests.serve.helpers import HTTP_PORT, deploy
 
 pytestmark = pytest.mark.ray

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from ray import serve
 
-from tests.engine.helpers import PROMPTS
+from tests.helpers import PROMPTS
 from tests.serve.helpers import deploy, start_ray, wait_for_idle_pools
 
 pytestmark = pytest.mark.ray

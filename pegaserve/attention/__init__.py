@@ -1,0 +1,1 @@
+"""Attention over the paged KV cache, behind a backend interface."""

@@ -1,0 +1,1 @@
+"""Model families (torch, Hugging Face parameter names), their configs, the loader, the default model."""

@@ -1,0 +1,1 @@
+"""Sampling: logits processing, filters and the draw; structured outputs' grammars."""

@@ -1,0 +1,1 @@
+"""Scheduling: continuous batching with chunked prefill, its messages to the runner, speculation."""
