@@ -16,20 +16,20 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 
-from ray.exceptions import RayActorError
-from ray.serve.exceptions import BackPressureError
-
 from pegaserve.deployments.calls import Choices, ColocatedCall, DecodeCall, PrefillResult, pack, unpack
 from pegaserve.deployments.channel import Address, Connection, connect
 from pegaserve.deployments.handoff.protocol import ReleaseLease
 from pegaserve.deployments.ledger import LedgerBuffer, stats_board
 from pegaserve.deployments.metrics import MigrationMetrics
 from pegaserve.deployments.tokens import TokenInbox
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import BackPressureError
+
 from pegaserve.api.clients import EngineClient, LedgerClient
-from pegaserve.engine.engine import EngineOverloaded, RequestRejected
+from pegaserve.engine.core import EngineOverloaded, RequestRejected
+from pegaserve.ledger import Finished, LedgerEvent, Migrated, Prefilled
 from pegaserve.request import EngineRequest, SampledToken, StepOutput
 from pegaserve.sched.stream_interval import StreamInterval
-from pegaserve.ledger import Finished, LedgerEvent, Migrated, Prefilled
 
 log = logging.getLogger("ray.serve")
 LATE_FRAMES_S = 10.0  # a call may return before its last frames arrive (they travel apart)

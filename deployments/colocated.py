@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from ray import serve
-
 from pegaserve.deployments.calls import ColocatedCall, unpack
 from pegaserve.deployments.engine_server import EngineServer
 from pegaserve.deployments.replica import QUIET
-from pegaserve.engine import core
+from ray import serve
+
 from pegaserve.config import Role
+from pegaserve.engine import commands
 
 
 @serve.deployment(name="Colocated", logging_config=QUIET)
@@ -24,4 +24,4 @@ class Colocated(EngineServer):
             return await self._resume(call.request, call.choices, call.reply_to, call.tag)
         request = call.request
         choice_ids = [request.choice_id(i) for i in range(request.n)]
-        await self._serve(request, choice_ids, call.reply_to, call.tag, self.engine.call(core.AddRequest(request)))
+        await self._serve(request, choice_ids, call.reply_to, call.tag, self.engine.call(commands.AddRequest(request)))

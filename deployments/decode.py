@@ -4,18 +4,18 @@ them), and stream every step's tokens to the ingress."""
 
 from __future__ import annotations
 
-from ray import serve
-
 from pegaserve.deployments.calls import DecodeCall, unpack
 from pegaserve.deployments.engine_server import EngineServer
 from pegaserve.deployments.handoff.protocol import Lease
 from pegaserve.deployments.handoff.receiver import KvReceiver
 from pegaserve.deployments.metrics import TransferMetrics
 from pegaserve.deployments.replica import QUIET
-from pegaserve.engine import core
+from ray import serve
+
 from pegaserve.config import Role
-from pegaserve.request import Handoff
+from pegaserve.engine import commands
 from pegaserve.ledger import Fallback, KvReceived
+from pegaserve.request import Handoff
 
 
 @serve.deployment(name="Decode", logging_config=QUIET)
@@ -55,8 +55,8 @@ class Decode(EngineServer):
         """shm on one node: the engine copies the blocks out of the prefill engine's cache as it
         admits the request, so the request runs in the next step."""
         choice_ids = tuple(handoff.choice_ids)
-        source = core.SharedKv(lease.shared.path, lease.shared.shape, lease.parked)
-        receipt = await self.engine.call(core.AddSharedHandoff(handoff, source))
+        source = commands.SharedKv(lease.shared.path, lease.shared.shape, lease.parked)
+        receipt = await self.engine.call(commands.AddSharedHandoff(handoff, source))
         if receipt is None:
             self.receiver.release(lease)
             return self._fell_back(handoff, "shm", "no free blocks to import")

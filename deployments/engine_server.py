@@ -13,10 +13,11 @@ from pegaserve.deployments.config import AppArgs
 from pegaserve.deployments.metrics import EngineMetrics
 from pegaserve.deployments.replica import check_engine, ledger_buffer, post_stats_forever, replica_name, start_engine
 from pegaserve.deployments.tokens import TokenRouter
-from pegaserve.engine import core
+
 from pegaserve.config import Role
-from pegaserve.request import EngineRequest, Handoff
+from pegaserve.engine import commands
 from pegaserve.heap import freeze_startup_heap
+from pegaserve.request import EngineRequest, Handoff
 
 
 class EngineServer:
@@ -52,7 +53,7 @@ class EngineServer:
     async def _resume(self, request: EngineRequest, choices: Choices, reply_to: Address, tag: int) -> None:
         """Continue choices that already have tokens (their replica died): recomputed here."""
         handoff = Handoff(request, choices)
-        await self._serve(request, handoff.choice_ids, reply_to, tag, self.engine.call(core.AddHandoff(handoff)))
+        await self._serve(request, handoff.choice_ids, reply_to, tag, self.engine.call(commands.AddHandoff(handoff)))
 
     async def check_health(self) -> None:
         check_engine(self.engine)

@@ -6,21 +6,21 @@ from __future__ import annotations
 
 import asyncio
 
-from ray import serve
-
 from pegaserve.deployments.clients import ActorLedgerClient, ColocatedClient, DisaggregatedClient
 from pegaserve.deployments.config import AppArgs
 from pegaserve.deployments.metrics import HttpStatusMetrics, IngressMetrics
 from pegaserve.deployments.replica import ledger_buffer, replica_name
 from pegaserve.deployments.response_store import ActorResponseStore
 from pegaserve.deployments.tokens import TokenInbox
+from ray import serve
+
 from pegaserve.api.app import build_app
 from pegaserve.api.frontend import Frontend
 from pegaserve.api.model_info import model_info
 from pegaserve.api.validation import Limits
-from pegaserve.models.tiny import ensure_model_dir
-from pegaserve.models.config import ModelConfig
 from pegaserve.heap import freeze_startup_heap
+from pegaserve.models.config import ModelConfig
+from pegaserve.models.tiny import ensure_model_dir
 from pegaserve.tokenizer import Tokenizer
 
 

@@ -17,8 +17,8 @@ import logging
 import time
 
 import ray
-
 from pegaserve.deployments.channel import Address, Connection, Listener, connect
+
 from pegaserve.ledger import Ledger, LedgerEvent
 
 log = logging.getLogger("ray.serve")

@@ -5,17 +5,24 @@ from __future__ import annotations
 
 import asyncio
 
-from ray import serve
-
 from pegaserve.deployments.calls import PrefillResult, pack, unpack
 from pegaserve.deployments.config import AppArgs
 from pegaserve.deployments.handoff.sender import KvSender
 from pegaserve.deployments.ledger import stats_board
 from pegaserve.deployments.metrics import EngineMetrics
-from pegaserve.deployments.replica import QUIET, check_engine, ledger_buffer, post_stats_forever, replica_name, start_engine
+from pegaserve.deployments.replica import (
+    QUIET,
+    check_engine,
+    ledger_buffer,
+    post_stats_forever,
+    replica_name,
+    start_engine,
+)
+from ray import serve
+
 from pegaserve.config import Role
-from pegaserve.request import EngineRequest
 from pegaserve.heap import freeze_startup_heap
+from pegaserve.request import EngineRequest
 from pegaserve.testing.hook import active_doubles
 
 

@@ -7,17 +7,17 @@ import asyncio
 import logging
 
 import torch
-from ray import serve
-from ray.serve.schema import LoggingConfig
-
 from pegaserve.deployments.config import AppArgs
 from pegaserve.deployments.ledger import LedgerBuffer, ledger_actor, stats_board
 from pegaserve.deployments.metrics import EngineMetrics
-from pegaserve.models.tiny import ensure_model_dir
-from pegaserve.engine.async_engine import AsyncEngine, StepSink
+from ray import serve
+from ray.serve.schema import LoggingConfig
+
 from pegaserve.config import EngineConfig, Role, SpeculativeConfig
-from pegaserve.engine.core_process import EngineSpec, ProcessTransport, build_engine
-from pegaserve.engine.engine import EngineStats
+from pegaserve.engine.async_engine import AsyncEngine, StepSink
+from pegaserve.engine.core import EngineStats
+from pegaserve.engine.process import EngineRecipe, ProcessLink, build_engine
+from pegaserve.models.tiny import ensure_model_dir
 from pegaserve.testing.hook import active_doubles
 
 log = logging.getLogger("ray.serve")
@@ -54,16 +54,16 @@ def engine_config(args: AppArgs, role: Role) -> EngineConfig:
 def start_engine(args: AppArgs, role: Role, on_step: StepSink | None = None) -> AsyncEngine:
     """The replica's engine: in its own process by default. A scripted model replaces the weights
     when the test-doubles hook says so (`pegaserve.testing.hook`)."""
-    spec = EngineSpec(str(ensure_model_dir(args.model)), engine_config(args, role), args.engine.attention_backend,
+    recipe = EngineRecipe(str(ensure_model_dir(args.model)), engine_config(args, role), args.engine.attention_backend,
                       args.engine.device, args.engine.torch_threads)
     doubles = active_doubles()
     if doubles is not None and doubles.script is not None:
-        spec = EngineSpec(spec.model_dir, spec.config, spec.attention_backend, spec.device, spec.torch_threads,
-                          builder="pegaserve.testing.scripted:build_from_spec", builder_args=(doubles.script,))
+        recipe = EngineRecipe(recipe.model_dir, recipe.config, recipe.attention_backend, recipe.device, recipe.torch_threads,
+                          builder="pegaserve.testing.scripted:build_from_recipe", builder_args=(doubles.script,))
     if args.engine.separate_process:
-        return AsyncEngine(ProcessTransport(spec), on_step)
-    torch.set_num_threads(spec.torch_threads)
-    return AsyncEngine.in_thread(build_engine(spec), on_step)
+        return AsyncEngine(ProcessLink(recipe), on_step)
+    torch.set_num_threads(recipe.torch_threads)
+    return AsyncEngine.in_thread(build_engine(recipe), on_step)
 
 
 def replica_name() -> str:

@@ -4,8 +4,8 @@ shared by every ingress replica: a response stored through one is continued thro
 from __future__ import annotations
 
 import ray
-
 from pegaserve.deployments.ledger import NAMESPACE, DetachedCalls
+
 from pegaserve.api.response_store import MemoryResponseStore, ResponseStore
 
 RESPONSE_STORE_NAME = "pegaserve-responses"

@@ -20,6 +20,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from pegaserve.deployments.channel import Address, Connection, Listener, connect
+
 from pegaserve.request import StepOutput
 
 log = logging.getLogger("ray.serve")

@@ -65,7 +65,7 @@ class EngineRequest:
     `cache_salt` keeps its blocks apart in the prefix cache: they are shared only with requests of
     the same salt (`block_pool.salt_root`). `priority` orders it under the priority scheduling
     policy (lower first; `EngineConfig.scheduling_policy`). `prediction` is what its output is
-    expected to be (OpenAI's predicted outputs): drafts, verified as any (`spec.PredictionProposer`).
+    expected to be (OpenAI's predicted outputs): drafts, verified as any (`speculation.PredictionProposer`).
     """
 
     request_id: str
@@ -215,17 +215,17 @@ class RequestState:
     in the cache. Its blocks are not here: the KV cache manager owns every block table.
     """
 
-    def __init__(self, spec: EngineRequest, index: int = 0) -> None:
-        self.spec = spec
+    def __init__(self, engine_request: EngineRequest, index: int = 0) -> None:
+        self.engine_request = engine_request
         self.index = index
-        self.request_id = spec.choice_id(index)
-        self.sampling = spec.choice_sampling(index)
+        self.request_id = engine_request.choice_id(index)
+        self.sampling = engine_request.choice_sampling(index)
         self.status = Status.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache (None: not looked up)
         self.draft_token_ids: tuple[int, ...] = ()  # speculative proposals for the next step
         self.drafts_predicted = False  # whether they come from the request's predicted output
-        self.prompt_scores: list[TokenScore | None] | None = None if spec.num_prompt_logprobs is None else [None]
+        self.prompt_scores: list[TokenScore | None] | None = None if engine_request.num_prompt_logprobs is None else [None]
         self.forks: list[RequestState] = []  # choices waiting to share this one's prefill
         self.constraint: Constraint | None = None  # its grammar's matcher, made when it first samples here
         self._output: list[SampledToken] = []
@@ -234,7 +234,7 @@ class RequestState:
 
     @property
     def policy(self) -> StopPolicy:
-        return self.spec.policy
+        return self.engine_request.policy
 
     @property
     def output(self) -> tuple[SampledToken, ...]:
@@ -250,18 +250,18 @@ class RequestState:
 
     @property
     def num_prompt_tokens(self) -> int:
-        return len(self.spec.prompt_token_ids)
+        return len(self.engine_request.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.spec.prompt_token_ids) + len(self._output)
+        return len(self.engine_request.prompt_token_ids) + len(self._output)
 
     def all_token_ids(self) -> list[int]:
-        return [*self.spec.prompt_token_ids, *self._output_ids]
+        return [*self.engine_request.prompt_token_ids, *self._output_ids]
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """`all_token_ids()[start:end]` without copying the whole sequence."""
-        prompt = self.spec.prompt_token_ids
+        prompt = self.engine_request.prompt_token_ids
         if start >= len(prompt):
             return self._output_ids[start - len(prompt) : end - len(prompt)]
         return [*prompt[start:end], *self._output_ids[: max(0, end - len(prompt))]]
@@ -276,7 +276,7 @@ class RequestState:
         assert self.finish is None, "no token after the terminal one (rule 1)"
         self._output.append(token)
         self._output_ids.append(token.token_id)
-        cause = self.spec.policy.classify(token.token_id, len(self._output))
+        cause = self.engine_request.policy.classify(token.token_id, len(self._output))
         if cause is None and self.num_tokens >= max_model_len:
             cause = Length()
         self.finish = cause

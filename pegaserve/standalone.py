@@ -11,19 +11,19 @@ from pegaserve.api.clients import LocalEngineClient, LocalLedgerClient
 from pegaserve.api.frontend import Frontend
 from pegaserve.api.model_info import model_info, served_name
 from pegaserve.api.validation import Limits
-from pegaserve.models.tiny import DEFAULT_MODEL_NAME, ensure_model_dir
 from pegaserve.engine.async_engine import AsyncEngine
 from pegaserve.engine.build import load_engine
-from pegaserve.engine.engine import Engine, EngineConfig
-from pegaserve.models.config import ModelConfig
+from pegaserve.engine.core import EngineConfig, EngineCore
 from pegaserve.heap import freeze_startup_heap
+from pegaserve.models.config import ModelConfig
+from pegaserve.models.tiny import DEFAULT_MODEL_NAME, ensure_model_dir
 from pegaserve.tokenizer import Tokenizer
 
 
 def build_local_frontend(
     model: str = DEFAULT_MODEL_NAME,
     engine_config: EngineConfig = EngineConfig(),
-    engine: Engine | None = None,
+    engine: EngineCore | None = None,
     attention_backend: str = "auto",
     limits: Limits = Limits(),
 ) -> Frontend:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pegaserve.cpu import kernels
-from pegaserve.engine.engine import Engine
+from pegaserve.engine.core import EngineCore
 from pegaserve.engine.offline import run_until_idle, token_ids
 from pegaserve.request import EngineRequest, SamplingParams, StepOutput
 from pegaserve.stop import StopPolicy
@@ -41,7 +41,7 @@ def greedy_request(request_id: str, prompt: list[int], max_tokens: int, *, num_t
     return EngineRequest(request_id, tuple(prompt), sampling, StopPolicy(max_tokens, **policy))
 
 
-def run_to_completion(engine: Engine, max_steps: int = 10_000) -> dict[str, list[StepOutput]]:
+def run_to_completion(engine: EngineCore, max_steps: int = 10_000) -> dict[str, list[StepOutput]]:
     """Step until idle; each request's outputs, in order (raises if it does not go idle)."""
     return run_until_idle(engine, max_steps)
 

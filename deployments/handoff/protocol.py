@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pegaserve.deployments.channel import Address
+
 from pegaserve.request import ParkedKv
 
 

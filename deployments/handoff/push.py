@@ -28,8 +28,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
+from pegaserve.deployments.handoff.transports import (
+    FETCH_TAG,
+    NO_TIMEOUT,
+    PairChannel,
+    Staging,
+    packed_shape,
+    slab_runs,
+)
 
-from pegaserve.deployments.handoff.transports import FETCH_TAG, NO_TIMEOUT, PairChannel, Staging, packed_shape, slab_runs
 from pegaserve.request import ParkedKv
 
 log = logging.getLogger("ray.serve")

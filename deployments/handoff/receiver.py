@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 
 import ray
 import torch
-
 from pegaserve.deployments.channel import Address, Connection, connect
 from pegaserve.deployments.handoff import native
 from pegaserve.deployments.handoff.protocol import Copied, Fetch, Lease, OpenPair, PairOffer, SharedCache
 from pegaserve.deployments.handoff.push import Inbox
 from pegaserve.deployments.handoff.transports import GlooPair, NcclPair, PairChannel, Staging, kv_from_bytes
+
 from pegaserve.engine.async_engine import AsyncEngine
 from pegaserve.kv.files import MappedKvFiles
 from pegaserve.request import ReceiveTarget

@@ -18,7 +18,6 @@ import time
 
 import ray
 import torch
-
 from pegaserve.deployments.channel import Address, Connection, Listener
 from pegaserve.deployments.handoff import native
 from pegaserve.deployments.handoff.protocol import (
@@ -42,11 +41,12 @@ from pegaserve.deployments.handoff.transports import (
     kv_as_bytes,
     packed_shape,
 )
-from pegaserve.engine import core
+
+from pegaserve.engine import commands
 from pegaserve.engine.async_engine import AsyncEngine
+from pegaserve.ledger import KvSent
 from pegaserve.request import EngineRequest, ParkedKv, StepOutput
 from pegaserve.runner.model_runner import pack_blocks
-from pegaserve.ledger import KvSent
 
 log = logging.getLogger("ray.serve")
 TOMBSTONE_S = 120.0
@@ -239,7 +239,7 @@ class KvSender:
     async def _release(self, request_id: str) -> None:
         """Free a lease now; one that is not parked yet (still being prefilled) is freed when it
         parks, so an ingress that gave up mid-prefill leaks nothing until the lease's expiry."""
-        if not await self.engine.call(core.ReleaseRequest(request_id)):
+        if not await self.engine.call(commands.ReleaseRequest(request_id)):
             now = time.monotonic()
             self._tombstones = {r: t for r, t in self._tombstones.items() if t > now}
             self._tombstones[request_id] = now + TOMBSTONE_S

@@ -38,9 +38,9 @@ from typing import Final, Protocol
 import numpy as np
 import ray
 import torch
-
 from pegaserve.deployments.handoff import native
 from pegaserve.deployments.handoff.protocol import Fetch
+
 from pegaserve.request import ParkedKv
 from pegaserve.runner.model_runner import Run, block_runs, pack_layer, unpack_layer
 

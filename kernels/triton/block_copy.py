@@ -10,6 +10,7 @@ layout `ModelRunner.export_blocks` produces and `import_blocks` takes. One block
 from __future__ import annotations
 
 import torch
+
 import triton
 import triton.language as tl
 

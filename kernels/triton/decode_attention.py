@@ -14,6 +14,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
+
 import triton
 import triton.language as tl
 

@@ -13,6 +13,7 @@ launch per norm; with no GPU lent to measure the gain, the model keeps its plain
 from __future__ import annotations
 
 import torch
+
 import triton
 import triton.language as tl
 

@@ -12,6 +12,7 @@ Queries are flattened `[num_tokens, num_heads, head_dim]`; request i owns rows
 from __future__ import annotations
 
 import torch
+
 import triton
 import triton.language as tl
 

@@ -7,6 +7,7 @@ Cache layout (one layer): `kv_layer[2, num_blocks, block_size, num_kv_heads, hea
 from __future__ import annotations
 
 import torch
+
 import triton
 import triton.language as tl
 

@@ -9,8 +9,8 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 
 from pegaserve.engine.async_engine import AsyncEngine
-from pegaserve.request import EngineRequest, StepOutput
 from pegaserve.ledger import Ledger, LedgerEvent
+from pegaserve.request import EngineRequest, StepOutput
 
 
 class EngineClient(ABC):

@@ -25,9 +25,9 @@ from pegaserve.api.response_store import MemoryResponseStore, ResponseStore
 from pegaserve.api.stored_chats import StoredChat, StoredChats
 from pegaserve.api.validation import Limits, PromptPlan
 from pegaserve.api.wire import ChoiceResult, Usage, Wire
-from pegaserve.engine.engine import EngineOverloaded, RequestRejected
-from pegaserve.request import EngineRequest, SampledToken, SamplingParams, StepOutput
+from pegaserve.engine.core import EngineOverloaded, RequestRejected
 from pegaserve.ledger import Arrived, Finished, LedgerEvent, TokensCommitted
+from pegaserve.request import EngineRequest, SampledToken, SamplingParams, StepOutput
 from pegaserve.stop import Abort, Error, StopCause, StopPolicy, String
 from pegaserve.tokenizer import Tokenizer
 

@@ -98,7 +98,7 @@ def chat_prompt_ids(frontend: Frontend, body: ChatCompletionRequest, tools: list
 
 
 def predicted_tokens(frontend: Frontend, body: ChatCompletionRequest, no_drafts: bool) -> tuple[int, ...]:
-    """OpenAI's predicted output as the token ids the engine drafts from (`spec.PredictionProposer`):
+    """OpenAI's predicted output as the token ids the engine drafts from (`speculation.PredictionProposer`):
     verified as any draft, it changes no token (a draft changes no draw: sampler.py), and saves steps
     where it holds. `no_drafts`: the request takes none (a grammar, beam search), so a prediction would do
     nothing: a 400."""

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from pegaserve.models.tiny import DEFAULT_MODEL_NAME
 from pegaserve.models.config import ModelConfig
+from pegaserve.models.tiny import DEFAULT_MODEL_NAME
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ from pegaserve.api.choice import StopStrings
 from pegaserve.api.errors import ApiError, invalid
 from pegaserve.api.model_info import ModelInfo
 from pegaserve.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from pegaserve.sample.grammar import GrammarSpec
 from pegaserve.request import SamplingParams
+from pegaserve.sample.grammar import GrammarSpec
 from pegaserve.stop import StopPolicy
 
 MAX_LOGPROBS = 20

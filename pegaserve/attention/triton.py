@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from pegaserve.attention.backend import AttentionBackend, AttentionBatch
-
 from pegaserve.kernels.decode_attention import paged_decode_attention
 from pegaserve.kernels.norm_rope import qk_norm_rope
 from pegaserve.kernels.prefill_attention import prefill_attention

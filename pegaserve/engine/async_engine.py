@@ -1,6 +1,6 @@
 """The asyncio face of an engine loop that runs off the caller's thread: on a thread of this
-process (`ThreadTransport`: tests, the standalone server) or in a process of its own
-(`pegaserve.engine.core_process.ProcessTransport`: Serve replicas, so the engine's Python never
+process (`ThreadLink`: tests, the standalone server) or in a process of its own
+(`pegaserve.engine.process.ProcessLink`: Serve replicas, so the engine's Python never
 waits for the replica's GIL).
 
 Each step's outputs arrive as one batch. Outputs of requests someone streams (`generate`,
@@ -19,9 +19,10 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 import torch
 
-from pegaserve.engine import core
-from pegaserve.engine.core import Command, EngineCore, Health, run_loop
-from pegaserve.engine.engine import Engine, EngineStats
+from pegaserve.engine import commands
+from pegaserve.engine.commands import Command, Health
+from pegaserve.engine.core import EngineCore, EngineStats
+from pegaserve.engine.loop import EngineLoop, run_loop
 from pegaserve.request import EngineRequest, Handoff, ReceiveTarget, StepOutput
 from pegaserve.stop import Error
 
@@ -33,7 +34,7 @@ class EngineDead(RuntimeError):
     """The engine loop is gone (its process exited); the replica must be replaced."""
 
 
-class Transport(ABC):
+class EngineLink(ABC):
     """Carries commands to an engine loop and its replies and outputs back to the event loop."""
 
     @abstractmethod
@@ -73,8 +74,8 @@ class Transport(ABC):
 
 
 class AsyncEngine:
-    def __init__(self, transport: Transport, on_step: StepSink | None = None) -> None:
-        self.transport = transport
+    def __init__(self, link: EngineLink, on_step: StepSink | None = None) -> None:
+        self.link = link
         self.on_step = on_step
         self._calls: dict[int, asyncio.Future] = {}
         self._next_key = 0
@@ -83,18 +84,18 @@ class AsyncEngine:
         self.on_dead: Callable[[BaseException], None] | None = None  # told when the loop is gone
 
     @classmethod
-    def in_thread(cls, engine: Engine, on_step: StepSink | None = None) -> "AsyncEngine":
-        return cls(ThreadTransport(engine), on_step)
+    def in_thread(cls, engine: EngineCore, on_step: StepSink | None = None) -> "AsyncEngine":
+        return cls(ThreadLink(engine), on_step)
 
     def _ensure_started(self) -> None:
         loop = asyncio.get_running_loop()
         if not self._started:
             self._started = True
-            self.transport.start(loop, self._settle, self._publish, self.fail_everything)
-        elif self.transport.loop is not loop:  # a new event loop (a new asyncio.run)
+            self.link.start(loop, self._settle, self._publish, self.fail_everything)
+        elif self.link.loop is not loop:  # a new event loop (a new asyncio.run)
             self._calls.clear()
             self._streams.clear()
-            self.transport.rebind(loop)
+            self.link.rebind(loop)
 
     # --- commands --------------------------------------------------------------------------------
 
@@ -105,7 +106,7 @@ class AsyncEngine:
         future = asyncio.get_running_loop().create_future()
         self._calls[key] = future
         try:
-            self.transport.send(key, command)
+            self.link.send(key, command)
             return await future
         finally:
             self._calls.pop(key, None)
@@ -113,7 +114,7 @@ class AsyncEngine:
     def send(self, command: Command) -> None:
         """Fire and forget (an abort from a `finally` that must not await)."""
         self._ensure_started()
-        self.transport.send(None, command)
+        self.link.send(None, command)
 
     def _settle(self, key: int, result, error: BaseException | None) -> None:
         future = self._calls.pop(key, None)
@@ -148,26 +149,26 @@ class AsyncEngine:
 
     # --- requests --------------------------------------------------------------------------------
 
-    async def generate(self, spec: EngineRequest) -> AsyncIterator[StepOutput]:
-        """The outputs of every choice of `spec` until all have finished (interleaved); closing the
+    async def generate(self, request: EngineRequest) -> AsyncIterator[StepOutput]:
+        """The outputs of every choice of `request` until all have finished (interleaved); closing the
         iterator early aborts whatever is still running."""
-        choice_ids = [spec.choice_id(i) for i in range(spec.n)]
-        outputs = await self._admit(spec.request_id, choice_ids, core.AddRequest(spec))
-        async for output in self._drain(spec.request_id, choice_ids, outputs):
+        choice_ids = [request.choice_id(i) for i in range(request.n)]
+        outputs = await self._admit(request.request_id, choice_ids, commands.AddRequest(request))
+        async for output in self._drain(request.request_id, choice_ids, outputs):
             yield output
 
-    async def prefill(self, spec: EngineRequest) -> list[StepOutput]:
+    async def prefill(self, request: EngineRequest) -> list[StepOutput]:
         """Prefill role: each choice's first output. The non-terminal choices stay parked with the
         prompt's blocks until `release` (the caller owns that lease from here)."""
-        choice_ids = [spec.choice_id(i) for i in range(spec.n)]
-        outputs = await self._admit(spec.request_id, choice_ids, core.AddRequest(spec))
+        choice_ids = [request.choice_id(i) for i in range(request.n)]
+        outputs = await self._admit(request.request_id, choice_ids, commands.AddRequest(request))
         first: dict[str, StepOutput] = {}
         try:
             while len(first) < len(choice_ids):
                 output = await outputs.get()
                 first.setdefault(output.request_id, output)
         except BaseException:
-            self.abort(spec.request_id)
+            self.abort(request.request_id)
             raise
         finally:
             for choice_id in choice_ids:
@@ -179,7 +180,7 @@ class AsyncEngine:
         recomputed) and the outputs of its choices after their first tokens."""
         choice_ids = handoff.choice_ids
         imported: list[bool] = []
-        outputs = await self._admit(handoff.request.request_id, choice_ids, core.AddHandoff(handoff),
+        outputs = await self._admit(handoff.request.request_id, choice_ids, commands.AddHandoff(handoff),
                                     imported.append)
         return imported[0], self._drain(handoff.request.request_id, choice_ids, outputs)
 
@@ -226,44 +227,44 @@ class AsyncEngine:
                 self.abort(request_id)
 
     async def receive(self, handoff: Handoff) -> ReceiveTarget | None:
-        return await self.call(core.Receive(handoff))
+        return await self.call(commands.Receive(handoff))
 
     async def received(self, request_id: str, ok: bool) -> None:
-        await self.call(core.Received(request_id, ok))
+        await self.call(commands.Received(request_id, ok))
 
     async def stats(self) -> EngineStats:
-        return await self.call(core.GetStats())
+        return await self.call(commands.GetStats())
 
     def abort(self, request_id: str) -> None:
-        self.send(core.AbortRequest(request_id))
+        self.send(commands.AbortRequest(request_id))
 
     def release(self, request_id: str) -> None:
-        self.send(core.ReleaseRequest(request_id))
+        self.send(commands.ReleaseRequest(request_id))
 
     def health(self) -> Health:
-        return self.transport.health()
+        return self.link.health()
 
     @property
     def kv_cache(self) -> torch.Tensor:
-        return self.transport.kv_cache
+        return self.link.kv_cache
 
     @property
     def kv_generations(self) -> Sequence[int]:
-        return self.transport.kv_generations
+        return self.link.kv_generations
 
     @property
     def kv_path(self) -> str | None:
-        return self.transport.kv_path
+        return self.link.kv_path
 
     def shutdown(self) -> None:
-        self.transport.shutdown()
+        self.link.shutdown()
 
 
-class ThreadTransport(Transport):
+class ThreadLink(EngineLink):
     """The engine loop on a daemon thread of this process."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.core = EngineCore(engine)
+    def __init__(self, engine: EngineCore) -> None:
+        self.core = EngineLoop(engine)
         self._commands: queue.SimpleQueue[tuple[int | None, Command]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopped = False

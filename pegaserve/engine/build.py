@@ -7,9 +7,9 @@ from pathlib import Path
 import torch
 
 from pegaserve.attention.backend import make_backend
-from pegaserve.engine.engine import Engine, EngineConfig
-from pegaserve.models.loader import load_model
+from pegaserve.engine.core import EngineConfig, EngineCore
 from pegaserve.models.config import ModelConfig
+from pegaserve.models.loader import load_model
 
 
 def load_engine(
@@ -18,10 +18,10 @@ def load_engine(
     attention_backend: str = "auto",
     device: str = "cpu",
     dtype: torch.dtype | None = None,
-) -> Engine:
+) -> EngineCore:
     """`dtype=None` serves the checkpoint's dtype on CUDA and float32 on CPU."""
     if dtype is None and device == "cpu":
         dtype = torch.float32
     cfg = ModelConfig.from_dir(model_dir, dtype=dtype)
     model = load_model(cfg, make_backend(attention_backend), device)
-    return Engine(model, config, device)
+    return EngineCore(model, config, device)

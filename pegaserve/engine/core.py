@@ -1,204 +1,237 @@
-"""The engine loop: commands between steps, one batch of outputs after each step.
+"""The engine: `step()` schedules, runs the model, and hands the sampled tokens back to the
+scheduler, which classifies them and returns each choice's output.
 
-`EngineCore` owns an `Engine` and is the only code that touches it. Callers send it typed commands
-(frozen dataclasses, never callables, so they can cross a process boundary) and receive every
-step's outputs as one list. The loop never dies of a request: a command that fails answers its
-caller with the exception; a step that fails fails the requests it was running (each gets an
-`Error` finish) and the loop goes on. Commands whose caller has gone away are skipped.
+One engine class serves three roles. `both` (colocated) prefills and decodes; `prefill` samples
+and classifies the first token, then parks the request's blocks for export (or finishes it there
+when that token is terminal, docs/CONTRACT.md rule 21); `decode` takes a prompt's blocks with the
+first token (rule 22) and continues after it — or recomputes the prompt when no KV came.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from pegaserve.engine.engine import Engine
-from pegaserve.kv.files import MappedKvFiles
-from pegaserve.request import EngineRequest, Handoff, ParkedKv, StepOutput
+from pegaserve.config import EngineConfig, Role, SpeculativeConfig
+from pegaserve.kv.block_pool import BlockPool
+from pegaserve.kv.manager import KvCacheManager
+from pegaserve.request import EngineRequest, Handoff, ParkedKv, ReceiveTarget, RequestState, StepOutput
+from pegaserve.runner.model_runner import ModelRunner, copy_blocks
+from pegaserve.sample.grammar import Grammars
+from pegaserve.sched.scheduler import Scheduler
+from pegaserve.sched.speculation import make_proposer
 
 log = logging.getLogger(__name__)
-LEASE_CHECK_PERIOD_S = 0.5
+__all__ = ["EngineCore", "EngineConfig", "EngineOverloaded", "EngineStats", "RequestRejected", "Role",
+           "SpeculativeConfig"]
 
 
-# --- commands ------------------------------------------------------------------------------------
+class RequestRejected(ValueError):
+    """The request can never run on this engine (it names the limit it breaks)."""
 
 
-@dataclass(frozen=True)
-class AddRequest:
-    request: EngineRequest
-
-
-@dataclass(frozen=True)
-class Receive:
-    """Decode role: admit a handoff whose KV the caller will write (answers a `ReceiveTarget`)."""
-
-    handoff: Handoff
+class EngineOverloaded(RuntimeError):
+    """The engine's waiting queue is full: the request may succeed later (HTTP 429)."""
 
 
 @dataclass(frozen=True)
-class AddHandoff:
-    """Decode role: admit a handoff whose packed KV (or None) travels with it (answers imported?)."""
-
-    handoff: Handoff
-
-
-@dataclass(frozen=True)
-class SharedKv:
-    """Where a prompt's KV lies in another engine's cache on this node: its shared-memory file
-    (`kv_files.map_kv_file`) and the prompt's blocks there."""
-
-    path: str
-    shape: tuple[int, ...]  # the whole cache: [layers, 2, num_blocks, block_size, kv_heads, head_dim]
-    parked: ParkedKv
-
-
-@dataclass(frozen=True)
-class AddSharedHandoff:
-    """Decode role: admit a handoff and copy its KV from `source` in this boundary (answers a
-    `SharedReceipt`, or None when it recomputes for want of blocks)."""
-
-    handoff: Handoff
-    source: SharedKv
+class EngineStats:
+    num_waiting: int
+    num_running: int
+    num_parked: int
+    num_receiving: int
+    num_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    num_preemptions: int
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_spec_steps: int
+    num_spec_emitted_tokens: int
 
 
 @dataclass(frozen=True)
-class Received:
-    request_id: str
-    ok: bool
+class SharedReceipt:
+    """`add_shared_handoff`'s answer: the blocks read from the other engine's cache (those after
+    the prompt's prefix cached here) and whether they held the prompt throughout; if not, the
+    request recomputes its prompt."""
 
-
-@dataclass(frozen=True)
-class AbortRequest:
-    request_id: str
-
-
-@dataclass(frozen=True)
-class ReleaseRequest:
-    request_id: str
-
-
-@dataclass(frozen=True)
-class ExportKv:
-    """Prefill role, in process: the packed KV of a parked request from `first_block` on."""
-
-    request_id: str
-    first_block: int = 0
-
-
-@dataclass(frozen=True)
-class GetStats:
-    pass
-
-
-Command = (AddRequest | Receive | AddHandoff | AddSharedHandoff | Received | AbortRequest | ReleaseRequest | ExportKv
-           | GetStats)
-
-
-@dataclass(frozen=True)
-class Health:
-    """What a replica's health check reads: is the loop alive, and is it keeping up?"""
-
-    alive: bool
-    has_work: bool
-    seconds_since_step: float  # since the last step (or since it last went idle)
-    num_steps: int
-    num_failed_steps: int
-
-
-# --- the loop ------------------------------------------------------------------------------------
+    num_blocks: int
+    held: bool
+    seconds: float
 
 
 class EngineCore:
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self.num_steps = 0
-        self.num_failed_steps = 0
-        self.last_progress_s = time.monotonic()
-        self._leases_checked_s = 0.0
-        # Pages fault in on first touch: populating a whole cache would stall the loop.
-        self._sources = MappedKvFiles(populate=False)
+    def __init__(self, model, config: EngineConfig = EngineConfig(), device: str = "cpu") -> None:
+        self.config = config
+        self.model_config = model.config
+        self.max_model_len = model.config.context_len(config.max_model_len)
+        self.pool = BlockPool(config.num_blocks, config.block_size)
+        self.kv = KvCacheManager(self.pool, config.enable_prefix_caching)
+        proposer = make_proposer(config.speculative) if config.role is not Role.PREFILL else None
+        self.grammars = Grammars(model.config)
+        self.scheduler = Scheduler(config, self.kv, self.max_model_len, proposer, self.grammars)
+        self.runner = ModelRunner(model, config.num_blocks, config.block_size, device)
 
-    def execute(self, command: Command):
-        """Run one command between steps; exceptions reach the caller, never the loop."""
-        engine = self.engine
-        match command:
-            case AddRequest(request):
-                return engine.add_request(request)
-            case Receive(handoff):
-                return engine.receive(handoff)
-            case AddHandoff(handoff):
-                return engine.add_handoff(handoff)
-            case AddSharedHandoff(handoff, source):
-                return engine.add_shared_handoff(handoff, *self._mapped(source), source.parked)
-            case Received(request_id, ok):
-                return engine.received(request_id, ok)
-            case AbortRequest(request_id):
-                return engine.abort(request_id)
-            case ReleaseRequest(request_id):
-                return engine.release(request_id)
-            case ExportKv(request_id, first_block):
-                return engine.export_kv(request_id, first_block)
-            case GetStats():
-                return engine.stats()
-        raise TypeError(f"unknown engine command {command!r}")
+    # --- admission -------------------------------------------------------------------------------
 
-    def _mapped(self, source: SharedKv) -> tuple[torch.Tensor | None, Sequence[int]]:
-        """Another engine's cache and its blocks' generations; (None, ()) when the file is gone
-        (its engine died)."""
-        try:
-            return self._sources.get(source.path, source.shape, self.engine.kv_dtype)
-        except (OSError, ValueError) as exc:
-            log.warning("cannot map the KV cache %s (%s); the prompt is recomputed", source.path, exc)
-            return None, ()
+    def add_request(self, request: EngineRequest) -> None:
+        if self.config.role is Role.DECODE:
+            raise RequestRejected("a decode engine takes handoffs (add_handoff), not fresh requests")
+        self._check(request, range(request.n))
+        self.scheduler.add(request)
+
+    def add_handoff(self, handoff: Handoff) -> bool:
+        """Continue a prefilled request whose packed KV is in hand (or None). Returns False when it
+        has to recompute the prompt (no KV, or no room to import it now); the tokens are the same
+        either way."""
+        target = self.receive(handoff)
+        if target is None:
+            return False
+        if handoff.kv is None:
+            self.received(handoff.request.request_id, ok=False)
+            return False
+        self.runner.import_blocks(target.block_ids, handoff.kv[:, :, target.first_block :])
+        self.received(handoff.request.request_id, ok=True)
+        return True
+
+    def add_shared_handoff(self, handoff: Handoff, source: torch.Tensor | None, generations: Sequence[int],
+                           parked: ParkedKv) -> SharedReceipt | None:
+        """Continue a prefilled request whose KV lies in another engine's cache on this node
+        (`source`, mapped, or None when it could not be), copied here now: the request runs in the
+        next step, where `receive` + `received` around a copy by the caller take two step
+        boundaries. None: no room, the request recomputes its prompt (nothing was read)."""
+        target = self.receive(handoff)
+        if target is None:
+            return None
+        start = time.perf_counter()
+        cache = self.runner.kv_cache
+        source_ids = list(parked.block_ids[target.first_block :])
+        held = (source is not None and _same_layout(source, cache) and len(source_ids) == len(target.block_ids))
+        if held and source_ids:
+            try:
+                copy_blocks(source, source_ids, cache, list(target.block_ids))
+            except (RuntimeError, IndexError) as exc:  # a lease naming blocks its cache lacks: recompute
+                log.warning("copying the KV of %s failed (%s)", handoff.request.request_id, exc)
+                held = False
+            else:
+                held = parked.intact(source_ids, generations, time.monotonic())  # one node: one clock
+        self.received(handoff.request.request_id, ok=held)  # never left receiving: the blocks are freed or used
+        return SharedReceipt(len(source_ids), held, time.perf_counter() - start)
+
+    def receive(self, handoff: Handoff) -> ReceiveTarget | None:
+        """Decode role, KV still to come: blocks for the prompt after its cached prefix (the caller
+        fills them, then calls `received`). None: no room, the request recomputes its prompt."""
+        if self.config.role is Role.PREFILL:
+            raise RequestRejected("a prefill engine does not take handoffs")
+        self._check(handoff.request, [index for index, _ in handoff.choices])
+        return self.scheduler.receive(handoff)
+
+    def received(self, request_id: str, ok: bool) -> None:
+        """The KV of `receive`'s blocks is written (ok), or it will never come (recompute)."""
+        self.scheduler.received(request_id, ok)
+
+    def _check(self, request: EngineRequest, indices) -> None:
+        if len(self.scheduler.waiting) >= self.config.max_queued_requests:
+            raise EngineOverloaded(f"{len(self.scheduler.waiting)} requests already wait for this engine")
+        if request.request_id in self.scheduler.groups or any(
+                request.choice_id(i) in self.scheduler.requests for i in indices):
+            raise RequestRejected(f"request id {request.request_id!r} is already in this engine")
+        if not request.prompt_token_ids:
+            raise RequestRejected("the prompt is empty")
+        num_tokens = len(request.prompt_token_ids) + request.policy.max_tokens
+        if num_tokens > self.max_model_len:
+            raise RequestRejected(f"prompt + max_tokens = {num_tokens} exceeds max_model_len {self.max_model_len}")
+        if self.pool.blocks_for(num_tokens) > self.pool.num_blocks:
+            raise RequestRejected(f"prompt + max_tokens = {num_tokens} tokens exceeds the KV cache")
+
+    # --- the loop --------------------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
 
     def step(self) -> list[StepOutput]:
-        """One engine step. A failure fails the step's requests, not the engine."""
-        now = time.monotonic()
-        if self.engine.parked and now - self._leases_checked_s >= LEASE_CHECK_PERIOD_S:
-            self._leases_checked_s = now
-            for request_id in self.engine.expire_leases():
-                log.warning("KV lease of %s expired; decode will recompute", request_id)
-        if not self.engine.has_work():
-            self.last_progress_s = time.monotonic()
+        output = self.scheduler.schedule()
+        if output is None:
             return []
-        try:
-            outputs = self.engine.step()
-        except Exception as exc:
-            log.exception("engine step failed")
-            self.num_failed_steps += 1
-            outputs = self.engine.fail_running(f"engine step failed: {type(exc).__name__}")
-        self.num_steps += 1
-        self.last_progress_s = time.monotonic()
-        return outputs
+        return self.scheduler.update(output, self.runner.run(output))
 
-    def health(self, alive: bool = True) -> Health:
-        return Health(alive, self.engine.has_work(), time.monotonic() - self.last_progress_s, self.num_steps,
-                      self.num_failed_steps)
+    def fail_running(self, message: str) -> list[StepOutput]:
+        """After a step raised: abort the requests it ran (any running one may be half-updated)
+        and report each as failed; waiting, parked and receiving requests are untouched."""
+        return self.scheduler.fail_running(message)
+
+    # --- prefill role: export --------------------------------------------------------------------
+
+    @property
+    def parked(self) -> dict[str, RequestState]:
+        return self.scheduler.parked
+
+    def parked_block_ids(self, request_id: str) -> tuple[int, ...]:
+        """The prompt's blocks of a parked request (its choices share them)."""
+        choices = self.scheduler.parked_choices(request_id)
+        if not choices:
+            raise KeyError(f"no parked request {request_id!r}")
+        return self.kv.block_ids(choices[0].request_id)
+
+    def export_shape(self, request_id: str, first_block: int = 0) -> tuple[int, ...]:
+        """The shape `export_kv` will have, without copying anything."""
+        shape = list(self.runner.kv_cache.shape)
+        shape[2] = len(self.parked_block_ids(request_id)) - first_block
+        return tuple(shape)
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return self.runner.kv_cache.dtype
+
+    def export_kv(self, request_id: str, first_block: int = 0) -> torch.Tensor:
+        """The prompt's KV from `first_block` on, packed:
+        `[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]`."""
+        return self.runner.export_blocks(self.parked_block_ids(request_id)[first_block:])
+
+    def release(self, request_id: str) -> bool:
+        """Free a parked request's blocks (decode acknowledged, or the lease expired)."""
+        return self.scheduler.release(request_id)
+
+    def expire_leases(self) -> list[str]:
+        return self.scheduler.expire_leases(time.monotonic())
+
+    # --- cancellation and stats -------------------------------------------------------------------
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request (all its choices) or one choice, wherever it is."""
+        return self.scheduler.abort(request_id)
+
+    @property
+    def requests(self) -> dict[str, RequestState]:
+        return self.scheduler.requests
+
+    def stats(self) -> EngineStats:
+        s, spec, cache = self.scheduler, self.scheduler.spec_stats, self.kv.stats
+        return EngineStats(
+            num_waiting=len(s.waiting),
+            num_running=len(s.running),
+            num_parked=len(s.parked),
+            num_receiving=sum(len(c) for c in s.receiving.values()),
+            num_blocks=self.pool.num_blocks,
+            num_free_blocks=self.pool.num_free_blocks,
+            num_cached_blocks=self.pool.num_cached_blocks,
+            num_preemptions=s.num_preemptions,
+            prefix_cache_queried_tokens=cache.num_queried_tokens,
+            prefix_cache_hit_tokens=cache.num_hit_tokens,
+            num_draft_tokens=spec.num_draft_tokens,
+            num_accepted_tokens=spec.num_accepted_tokens,
+            num_spec_steps=spec.num_steps,
+            num_spec_emitted_tokens=spec.num_emitted_tokens,
+        )
 
 
-def run_loop(core: EngineCore, next_commands: Callable[[bool], list[tuple[object, Command]]],
-             answer: Callable[[object, object, BaseException | None], None],
-             publish: Callable[[list[StepOutput]], None], stopped: Callable[[], bool]) -> None:
-    """The engine loop, over any transport: `next_commands(block)` returns (reply key, command)
-    pairs (blocking briefly only when idle); `answer(key, result, error)` replies to one;
-    `publish(outputs)` ships a step's outputs."""
-    while not stopped():
-        for key, command in next_commands(not core.engine.has_work()):
-            try:
-                result, error = core.execute(command), None
-            except Exception as exc:  # the caller's problem (a rejected request), not the loop's
-                result, error = None, exc
-            try:
-                answer(key, result, error)
-            except Exception:  # the caller is gone (cancelled, disconnected): skip it
-                log.debug("could not answer an engine command", exc_info=True)
-        outputs = core.step()
-        if outputs:
-            try:
-                publish(outputs)
-            except Exception:  # nobody to deliver to (the caller's event loop closed): the loop goes on
-                log.warning("could not deliver a step's outputs", exc_info=True)
+def _same_layout(source: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Blocks of `source` can be copied into `cache` byte for byte (the number of blocks aside)."""
+    return source.dtype == cache.dtype and (*source.shape[:2], *source.shape[3:]) == (*cache.shape[:2], *cache.shape[3:])

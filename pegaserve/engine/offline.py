@@ -12,7 +12,7 @@ from pegaserve.request import StepOutput
 
 
 class SteppedEngine(Protocol):
-    """What `run_until_idle` needs of an engine (`pegaserve.engine.engine.Engine` is one)."""
+    """What `run_until_idle` needs of an engine (`pegaserve.engine.core.EngineCore` is one)."""
 
     def has_work(self) -> bool: ...
 

@@ -53,7 +53,7 @@ class KvCacheManager:
         """The longest run of the request's full blocks already in the cache, leaving at least one
         token to compute (its logits give the next token). Requests that score their prompt need
         every position's hidden state, so they never reuse KV."""
-        if not self.enable_prefix_caching or request.spec.num_prompt_logprobs is not None:
+        if not self.enable_prefix_caching or request.engine_request.num_prompt_logprobs is not None:
             return CachedPrefix()
         max_blocks = (request.num_tokens - 1) // self.block_size
         block_ids = []
@@ -158,7 +158,7 @@ class KvCacheManager:
         hashes = self._hashes.setdefault(request.request_id, [])
         num_full = request.num_tokens // self.block_size
         if len(hashes) < num_full:
-            salt = request.spec.cache_salt
+            salt = request.engine_request.cache_salt
             parent = hashes[-1] if hashes else salt_root(salt) if salt is not None else None
             start = len(hashes) * self.block_size
             tokens = request.token_ids(start, num_full * self.block_size)

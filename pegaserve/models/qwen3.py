@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pegaserve.attention.backend import AttentionBackend, AttentionBatch
-from pegaserve.models.fused_linear import FusedLinear
 from pegaserve.cpu.lm_head import CpuLogits, ScreenedHead
 from pegaserve.models.config import ModelConfig
+from pegaserve.models.fused_linear import FusedLinear
 
 
 class RMSNorm(nn.Module):

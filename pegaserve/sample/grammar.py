@@ -53,17 +53,17 @@ def choice_regex(choices: list[str]) -> str:
     return "(" + "|".join(re.escape(c) for c in choices) + ")"
 
 
-def _grammar(xgrammar, spec: GrammarSpec):
-    if spec.kind in ("json_schema", "json_object"):  # json_object: an object, as OpenAI's JSON mode gives
-        return xgrammar.Grammar.from_json_schema(spec.text if spec.kind == "json_schema" else '{"type": "object"}',
-                                                 any_whitespace=spec.any_whitespace)
-    if spec.kind == "regex":
-        return xgrammar.Grammar.from_regex(spec.text)
-    if spec.kind == "choice":
-        return xgrammar.Grammar.from_regex(choice_regex(json.loads(spec.text)))
-    if spec.kind == "ebnf":
-        return xgrammar.Grammar.from_ebnf(spec.text)
-    raise ValueError(f"unknown kind of grammar {spec.kind!r} (one of {', '.join(KINDS)})")
+def _grammar(xgrammar, grammar: GrammarSpec):
+    if grammar.kind in ("json_schema", "json_object"):  # json_object: an object, as OpenAI's JSON mode gives
+        return xgrammar.Grammar.from_json_schema(grammar.text if grammar.kind == "json_schema" else '{"type": "object"}',
+                                                 any_whitespace=grammar.any_whitespace)
+    if grammar.kind == "regex":
+        return xgrammar.Grammar.from_regex(grammar.text)
+    if grammar.kind == "choice":
+        return xgrammar.Grammar.from_regex(choice_regex(json.loads(grammar.text)))
+    if grammar.kind == "ebnf":
+        return xgrammar.Grammar.from_ebnf(grammar.text)
+    raise ValueError(f"unknown kind of grammar {grammar.kind!r} (one of {', '.join(KINDS)})")
 
 
 class Grammars:
@@ -95,15 +95,15 @@ class Grammars:
         thread.start()
         return thread
 
-    def constraint(self, spec: GrammarSpec) -> Constraint:
+    def constraint(self, grammar: GrammarSpec) -> Constraint:
         import xgrammar  # noqa: PLC0415 - only structured outputs need it
 
         config = self.model_config
         try:
             with self._lock:
-                compiled = self._compiled.get(spec)
+                compiled = self._compiled.get(grammar)
                 if compiled is None:
-                    compiled = self._compiled[spec] = self._compiler_of(xgrammar).compile_grammar(_grammar(xgrammar, spec))
+                    compiled = self._compiled[grammar] = self._compiler_of(xgrammar).compile_grammar(_grammar(xgrammar, grammar))
         except Exception:  # the ingress read it already (GrammarSpec.check): never the engine loop's end
             log.exception("could not compile a request's grammar; the request may only end")
             return Constraint(None, config.vocab_size, config.eos_token_ids)

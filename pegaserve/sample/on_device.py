@@ -27,10 +27,10 @@ from collections.abc import Sequence
 import torch
 
 from pegaserve.request import SampledToken
-from pegaserve.sample.sampler import SamplingRow, TokenScore, _filters, alternatives, sample, score_tokens
 from pegaserve.sample.draw import _search, _uniform
 from pegaserve.sample.filters import _scale
 from pegaserve.sample.passes import _finite, _weights
+from pegaserve.sample.sampler import SamplingRow, TokenScore, _filters, alternatives, sample, score_tokens
 
 
 def sample_on_device(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:

@@ -39,12 +39,12 @@ import torch
 
 from pegaserve.cpu.lm_head import ScreenedHead
 from pegaserve.request import SampledToken
-from pegaserve.sample.sampler import SamplingRow, _filters, argmax_only
-from pegaserve.sample.on_device import sample_on_device
 from pegaserve.sample.draw import _draw, _uniform
 from pegaserve.sample.filters import _scales
+from pegaserve.sample.on_device import sample_on_device
 from pegaserve.sample.passes import _CELL, _FLOOR, _cell_masses, _finite, max_argmax_rows
 from pegaserve.sample.processing import _edit, edit_at
+from pegaserve.sample.sampler import SamplingRow, _filters, argmax_only
 
 MAX_PROPOSALS = 16  # at MAX_SLACK a proposal is accepted with probability ~exp(-MAX_SLACK)
 MAX_SLACK = 0.5  # nats: |x| * mean bound / temperature, above which a row takes its full logits

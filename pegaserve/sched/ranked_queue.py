@@ -9,7 +9,7 @@ from pegaserve.request import RequestState
 
 
 def rank(request: RequestState) -> tuple[int, float]:
-    return request.spec.rank
+    return request.engine_request.rank
 
 
 class RankedQueue:
@@ -24,7 +24,7 @@ class RankedQueue:
         insort(self._items, request, key=rank)
 
     def appendleft(self, request: RequestState) -> None:
-        self._items.insert(bisect_left(self._items, request.spec.rank, key=rank), request)
+        self._items.insert(bisect_left(self._items, request.engine_request.rank, key=rank), request)
 
     def extend(self, requests) -> None:
         for request in requests:

@@ -5,10 +5,10 @@ from the request's state, which it only reads: the scheduler decides how many to
 
 from __future__ import annotations
 
-from pegaserve.sample.grammar import Grammars
 from pegaserve.request import RequestState
-from pegaserve.sample.sampler import SamplingRow
+from pegaserve.sample.grammar import Grammars
 from pegaserve.sample.processing import bad_word_bans
+from pegaserve.sample.sampler import SamplingRow
 from pegaserve.sched.output import SampleAt, ScheduledRequest
 
 
@@ -56,7 +56,7 @@ def _row(request: RequestState, num_output: int, drafts: tuple[int, ...] = (), d
     return SamplingRow(
         params, num_output, masked,
         output_token_ids=request.output_token_ids + drafts if params.has_penalties else (),
-        prompt_token_ids=request.spec.prompt_token_ids if params.repetition_penalty != 1.0 else (),
+        prompt_token_ids=request.engine_request.prompt_token_ids if params.repetition_penalty != 1.0 else (),
         draft_token_id=draft,
         token_bitmask=bitmask,
     )  # fmt: skip
@@ -69,5 +69,5 @@ def _score_targets(request: RequestState, start: int, end: int) -> tuple[int, tu
         return 0, (), 0
     first = max(start, len(scores) - 1)  # the first source position still to score
     last = min(end, request.num_prompt_tokens - 1)
-    targets = request.spec.prompt_token_ids[first + 1 : last + 1]
-    return first - start, tuple(targets), request.spec.num_prompt_logprobs or 0
+    targets = request.engine_request.prompt_token_ids[first + 1 : last + 1]
+    return first - start, tuple(targets), request.engine_request.num_prompt_logprobs or 0

@@ -20,13 +20,21 @@ from collections import deque
 from dataclasses import replace
 
 from pegaserve.config import EngineConfig, Role
-from pegaserve.sample.grammar import Grammars
 from pegaserve.kv.manager import KvCacheManager
-from pegaserve.request import (EngineRequest, Handoff, ParkedKv, ReceiveTarget, RequestState, SampledToken,
-                                      Status, StepOutput)
+from pegaserve.request import (
+    EngineRequest,
+    Handoff,
+    ParkedKv,
+    ReceiveTarget,
+    RequestState,
+    SampledToken,
+    Status,
+    StepOutput,
+)
+from pegaserve.sample.grammar import Grammars
+from pegaserve.sched.output import RunnerOutput, ScheduledRequest, SchedulerOutput
 from pegaserve.sched.ranked_queue import RankedQueue, rank
 from pegaserve.sched.scheduled import scheduled_request
-from pegaserve.sched.output import RunnerOutput, ScheduledRequest, SchedulerOutput
 from pegaserve.sched.speculation import PredictionProposer, Proposer, SpecStats
 from pegaserve.stop import Abort, Error, Length, StopCause
 
@@ -59,9 +67,9 @@ class Scheduler:
 
     # --- admission -------------------------------------------------------------------------------
 
-    def add(self, spec: EngineRequest) -> None:
+    def add(self, request: EngineRequest) -> None:
         """Queue a new request: its first choice computes the prompt, the others fork from it."""
-        lead, *forks = self._choices(spec, range(spec.n))
+        lead, *forks = self._choices(request, range(request.n))
         lead.forks = forks
         self.waiting.append(lead)
 
@@ -105,13 +113,13 @@ class Scheduler:
                 choice.set_status(Status.WAITING)
                 self.waiting.append(choice)
 
-    def _choices(self, spec: EngineRequest, indices) -> list[RequestState]:
-        choices = [RequestState(spec, i) for i in indices]
+    def _choices(self, request: EngineRequest, indices) -> list[RequestState]:
+        choices = [RequestState(request, i) for i in indices]
         for choice in choices:
             assert choice.request_id not in self.requests, "the engine checks ids first"
             self.requests[choice.request_id] = choice
-        if spec.n > 1:
-            self.groups[spec.request_id] = tuple(c.request_id for c in choices)
+        if request.n > 1:
+            self.groups[request.request_id] = tuple(c.request_id for c in choices)
         return choices
 
     def choice_ids(self, request_id: str) -> tuple[str, ...]:
@@ -184,7 +192,7 @@ class Scheduler:
         prefix = self.kv.find_cached_prefix(head)
         start = prefix.num_tokens(self.block_size)
         end = start + min(head.num_tokens - start, self.config.max_num_batched_tokens)
-        while self.running and self.running[-1].spec.priority > head.spec.priority:
+        while self.running and self.running[-1].engine_request.priority > head.engine_request.priority:
             need = self.kv.num_blocks_needed(head, end, prefix) + len(self.running)
             if len(self.running) < self.config.max_num_seqs and self.kv.pool.can_allocate(need):
                 return
@@ -316,7 +324,7 @@ class Scheduler:
             self.kv.truncate(request, request.num_tokens)
             if self.config.role is Role.PREFILL:
                 parked = self._park(request)
-            elif (self.proposer is not None or request.spec.prediction) and request.sampling.grammar is None:
+            elif (self.proposer is not None or request.engine_request.prediction) and request.sampling.grammar is None:
                 self._propose(request)  # no drafts under a grammar
         return StepOutput(request.request_id, tuple(kept), cause, prompt_logprobs, parked,
                           request.num_cached_tokens if first else None)
@@ -335,8 +343,8 @@ class Scheduler:
         """Drafts from the request's predicted output, else from the proposer (speculative decoding)."""
         room = min(request.policy.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
         drafts = ()
-        if request.spec.prediction:
-            drafts = self.predictions.propose(request.request_id, request.spec.prediction, request.output_token_ids,
+        if request.engine_request.prediction:
+            drafts = self.predictions.propose(request.request_id, request.engine_request.prediction, request.output_token_ids,
                                               room)
         request.drafts_predicted = bool(drafts)
         if not drafts and self.proposer is not None:
@@ -369,7 +377,7 @@ class Scheduler:
 
     def _forget_id(self, request: RequestState) -> None:
         self.requests.pop(request.request_id, None)
-        group_id = request.spec.request_id
+        group_id = request.engine_request.request_id
         if group_id in self.groups and not any(c in self.requests for c in self.groups[group_id]):
             del self.groups[group_id]
 

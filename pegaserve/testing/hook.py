@@ -28,17 +28,17 @@ def active_doubles() -> Doubles | None:
     raw = os.environ.get(ENV)
     if not raw:
         return None
-    spec = json.loads(raw)
-    script = spec.get("script")
+    settings = json.loads(raw)
+    script = settings.get("script")
     return Doubles(
         script=None if script is None else {tuple(int(t) for t in k.split(",")): tuple(v) for k, v in script.items()},
-        delay_kv_send_s=float(spec.get("delay_kv_send_s", 0.0)),
+        delay_kv_send_s=float(settings.get("delay_kv_send_s", 0.0)),
     )
 
 
 def as_env(script: dict[tuple[int, ...], tuple[int, ...]] | None = None, delay_kv_send_s: float = 0.0) -> dict[str, str]:
     """The environment variable a test gives a deployment to select these doubles."""
-    spec: dict = {"delay_kv_send_s": delay_kv_send_s}
+    settings: dict = {"delay_kv_send_s": delay_kv_send_s}
     if script is not None:
-        spec["script"] = {",".join(map(str, k)): list(v) for k, v in script.items()}
-    return {ENV: json.dumps(spec)}
+        settings["script"] = {",".join(map(str, k)): list(v) for k, v in script.items()}
+    return {ENV: json.dumps(settings)}

@@ -82,11 +82,11 @@ class ScriptedModel(nn.Module):
 
 def scripted_engine(model_dir, script: Mapping[Sequence[int], Sequence[int]], config=None):
     """An engine whose model follows `script` (see `ScriptedModel`), with the real tokenizer's vocab."""
-    from pegaserve.engine.engine import Engine, EngineConfig  # noqa: PLC0415 - the engine imports nothing of ours
+    from pegaserve.engine.core import EngineConfig, EngineCore  # noqa: PLC0415 - the engine imports nothing of ours
 
-    return Engine(ScriptedModel(ModelConfig.from_dir(model_dir), script), config or EngineConfig())
+    return EngineCore(ScriptedModel(ModelConfig.from_dir(model_dir), script), config or EngineConfig())
 
 
-def build_from_spec(spec, script):
-    """`EngineSpec.builder` for an engine process running the scripted model."""
-    return scripted_engine(spec.model_dir, script, spec.config)
+def build_from_recipe(recipe, script):
+    """`EngineRecipe.builder` for an engine process running the scripted model."""
+    return scripted_engine(recipe.model_dir, script, recipe.config)

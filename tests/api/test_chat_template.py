@@ -12,7 +12,6 @@ from pegaserve.api.validation import Limits
 from tests.api.helpers import scripted_frontend
 from tests.contract.server import ThreadedServer
 
-
 TEMPLATE = ("{% for m in messages %}{{ m.role }}{% if m.name %}({{ m.name }}){% endif %}"
             "{% if m.tool_call_id %}[{{ m.tool_call_id }}]{% endif %}{% if m.tool_calls %}{{ m.tool_calls | tojson }}"
             "{% endif %}: {{ m.content }}\n{% endfor %}{% if greeting %}{{ greeting }}{% endif %}")

@@ -4,7 +4,7 @@ tokenizer; rule 18 on the real engine's outputs (the scripted double), one token
 import pytest
 
 from pegaserve.api.choice import ChoiceStream, StopStrings
-from pegaserve.engine.engine import EngineConfig, SpeculativeConfig
+from pegaserve.engine.core import EngineConfig, SpeculativeConfig
 from pegaserve.engine.offline import run_until_idle
 from pegaserve.request import EngineRequest, SampledToken, SamplingParams, StepOutput
 from pegaserve.stop import Eos, Length, StopPolicy, String, Token

@@ -17,10 +17,6 @@ from pydantic import BaseModel
 
 from pegaserve.api.app import build_app
 from pegaserve.api.jobs import render_chat
-from pegaserve.engine.engine import EngineConfig
-from pegaserve.standalone import build_local_frontend
-from pegaserve.testing.scripted import scripted_engine
-from pegaserve.tokenizer import Tokenizer
 from pegaserve.api.protocol import (
     REFUSED_CHAT,
     REFUSED_COMPLETION,
@@ -28,10 +24,13 @@ from pegaserve.api.protocol import (
     ChatMessage,
     ResponsesRequest,
 )
+from pegaserve.engine.core import EngineConfig
+from pegaserve.standalone import build_local_frontend
+from pegaserve.testing.scripted import scripted_engine
+from pegaserve.tokenizer import Tokenizer
 from tests.api.field_kinds import BEHAVIOUR, MODELS, NO_EFFECT, REFUSED_VALUES
 from tests.api.helpers import PROMPT, scripted_frontend, sse_chunks
 from tests.contract.server import ThreadedServer
-
 
 
 def all_fields(model: type[BaseModel]) -> set[str]:

@@ -11,7 +11,7 @@ import pytest
 
 from pegaserve.api.app import build_app
 from pegaserve.api.validation import Limits
-from pegaserve.engine.engine import EngineConfig
+from pegaserve.engine.core import EngineConfig
 from tests.api.helpers import PROMPT, scripted_frontend
 from tests.contract.server import ThreadedServer
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pegaserve.cpu import kernels, lm_head, vocab_passes
 from pegaserve.attention.backend import SdpaBackend
+from pegaserve.cpu import kernels, lm_head, vocab_passes
 from pegaserve.cpu.lm_head import CpuLogits, ScreenedHead, lm_head_reference
 from pegaserve.models.config import ModelConfig
 from pegaserve.models.qwen3 import Qwen3ForCausalLM

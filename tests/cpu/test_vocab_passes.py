@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from pegaserve.sample import filters, passes, sampler
 from pegaserve.cpu import vocab_passes
 from pegaserve.request import SamplingParams
+from pegaserve.sample import filters, passes, sampler
 from pegaserve.sample.sampler import SamplingRow
 from tests.helpers import kernel_marks
 

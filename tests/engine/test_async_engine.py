@@ -9,12 +9,12 @@ import signal
 
 import pytest
 
-from pegaserve.engine import core
+from pegaserve.engine import commands
 from pegaserve.engine.async_engine import AsyncEngine, EngineDead
 from pegaserve.engine.build import load_engine
-from pegaserve.engine.core_process import EngineSpec, ProcessTransport
-from pegaserve.engine.engine import EngineConfig, RequestRejected, Role
+from pegaserve.engine.core import EngineConfig, RequestRejected, Role
 from pegaserve.engine.offline import token_ids
+from pegaserve.engine.process import EngineRecipe, ProcessLink
 from pegaserve.stop import Error, Length
 from pegaserve.testing.scripted import scripted_engine
 from tests.helpers import PROMPTS, greedy_request
@@ -29,7 +29,7 @@ def test_a_cancelled_caller_never_kills_the_loop(tiny_model_dir):
         engine = AsyncEngine.in_thread(scripted_engine(tiny_model_dir, {}, EngineConfig(num_blocks=64)))
         # hundreds of calls cancelled while queued, running, or just answered
         for i in range(300):
-            task = asyncio.ensure_future(engine.call(core.GetStats()))
+            task = asyncio.ensure_future(engine.call(commands.GetStats()))
             await asyncio.sleep(0 if i % 3 else 0.0005)
             task.cancel()
         generations = [asyncio.ensure_future(collect(engine, greedy_request(f"c{i}", [1, 2, 3], 50)))
@@ -81,7 +81,7 @@ def test_a_failing_command_answers_its_caller_and_the_loop_goes_on(tiny_model_di
         with pytest.raises(RequestRejected):
             await collect(engine, greedy_request("big", [1] * 10, 5000))  # past the context
         with pytest.raises(KeyError):
-            await engine.call(core.ExportKv("nobody"))
+            await engine.call(commands.ExportKv("nobody"))
         assert token_ids(await collect(engine, greedy_request("ok", [1, 2], 3))) == [64] * 3
         engine.shutdown()
 
@@ -138,8 +138,8 @@ def thread_tokens(tiny_model_dir):
 
 def test_the_engine_in_its_own_process_gives_the_same_tokens(tiny_model_dir, thread_tokens):
     async def main():
-        spec = EngineSpec(str(tiny_model_dir), EngineConfig(num_blocks=128), attention_backend="sdpa")
-        engine = AsyncEngine(ProcessTransport(spec))
+        recipe = EngineRecipe(str(tiny_model_dir), EngineConfig(num_blocks=128), attention_backend="sdpa")
+        engine = AsyncEngine(ProcessLink(recipe))
         outs = await asyncio.gather(*(collect(engine, greedy_request(f"r{i}", p, 8)) for i, p in enumerate(PROMPTS)))
         assert [token_ids(o) for o in outs] == thread_tokens
         assert all(o[-1].finish == Length() for o in outs)
@@ -149,7 +149,7 @@ def test_the_engine_in_its_own_process_gives_the_same_tokens(tiny_model_dir, thr
         # the process dies: calls in flight fail, health says so
         stream = asyncio.ensure_future(collect(engine, greedy_request("long", [1, 2, 3], 2000)))
         await asyncio.sleep(0.3)
-        os.kill(engine.transport._process.pid, signal.SIGKILL)  # noqa: SLF001
+        os.kill(engine.link._process.pid, signal.SIGKILL)  # noqa: SLF001
         outputs = await asyncio.wait_for(stream, 30)
         assert isinstance(outputs[-1].finish, Error)
         assert not engine.health().alive
@@ -172,9 +172,9 @@ def test_one_engine_serves_one_event_loop_after_another(tiny_model_dir):
 def test_the_engine_process_delivers_to_one_event_loop_after_another(tiny_model_dir):
     """Its messages are read on the event loop: each new loop takes over the reading, and a message
     longer than one read (here ~0.5 MiB of prompt logprobs) arrives whole."""
-    spec = EngineSpec(str(tiny_model_dir), EngineConfig(num_blocks=512, max_num_batched_tokens=4096),
-                      builder="pegaserve.testing.scripted:build_from_spec", builder_args=({},))
-    engine = AsyncEngine(ProcessTransport(spec))
+    recipe = EngineRecipe(str(tiny_model_dir), EngineConfig(num_blocks=512, max_num_batched_tokens=4096),
+                      builder="pegaserve.testing.scripted:build_from_recipe", builder_args=({},))
+    engine = AsyncEngine(ProcessLink(recipe))
     for i in range(3):  # each asyncio.run closes its loop; the engine delivers to the next one
         outputs = asyncio.run(collect(engine, greedy_request(f"r{i}", [1, 2], 3)))
         assert token_ids(outputs) == [64] * 3

@@ -6,7 +6,7 @@ import torch
 from transformers import Qwen3ForCausalLM
 
 from pegaserve.engine.build import load_engine
-from pegaserve.engine.engine import EngineConfig, Role
+from pegaserve.engine.core import EngineConfig, Role
 from pegaserve.request import EngineRequest, Handoff, SamplingParams
 from pegaserve.stop import Length, StopPolicy
 from pegaserve.testing.scripted import scripted_engine

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pegaserve.engine.build import load_engine
-from pegaserve.engine.engine import EngineConfig, Role
+from pegaserve.engine.core import EngineConfig, Role
 from pegaserve.request import Handoff, SamplingParams
 from pegaserve.stop import Eos, Length
 from pegaserve.testing.scripted import scripted_engine
@@ -190,8 +190,9 @@ def test_a_shared_prompt_that_did_not_hold_is_recomputed(tiny_model_dir, colocat
 
 def test_the_engine_loop_maps_prefill_s_cache_file_once_and_copies_from_it(tiny_model_dir, colocated_tokens,
                                                                           tmp_path):
-    from pegaserve.engine.core import AddSharedHandoff, EngineCore, SharedKv
-    from pegaserve.engine.core_process import map_kv_file
+    from pegaserve.engine.commands import AddSharedHandoff, SharedKv
+    from pegaserve.engine.loop import EngineLoop
+    from pegaserve.engine.process import map_kv_file
 
     prefill, decode = roles(tiny_model_dir)
     shape = tuple(prefill.runner.kv_cache.shape)
@@ -203,7 +204,7 @@ def test_the_engine_loop_maps_prefill_s_cache_file_once_and_copies_from_it(tiny_
     for request in requests:
         prefill.add_request(request)
     first = run_to_completion(prefill)
-    loop = EngineCore(decode)
+    loop = EngineLoop(decode)
     receipts = []
     for request in requests:
         (out,) = first[request.request_id]

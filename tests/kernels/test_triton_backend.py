@@ -8,12 +8,12 @@ from pegaserve.kernels.testing import kernel_devices, kernels_unavailable_reason
 if (reason := kernels_unavailable_reason()) is not None:
     pytest.skip(reason, allow_module_level=True)
 
-from pegaserve.attention.triton import TritonBackend  # noqa: E402
 from pegaserve.kernels.testing import make_paged_batch, random_qkv  # noqa: E402
 
 from pegaserve.attention.backend import AttentionBatch, SdpaBackend, make_backend  # noqa: E402
+from pegaserve.attention.triton import TritonBackend  # noqa: E402
 from pegaserve.engine.build import load_engine  # noqa: E402
-from pegaserve.engine.engine import EngineConfig  # noqa: E402
+from pegaserve.engine.core import EngineConfig  # noqa: E402
 from tests.helpers import PROMPTS, greedy_request, run_to_completion, token_ids  # noqa: E402
 
 NEW_TOKENS = 4

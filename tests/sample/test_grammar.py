@@ -8,11 +8,11 @@ import pytest
 import torch
 import xgrammar
 
-from pegaserve.engine.build import load_engine
 from pegaserve.config import SpeculativeConfig
-from pegaserve.engine.engine import EngineConfig, Role
-from pegaserve.sample.grammar import Constraint, GrammarSpec, _grammar, allowed_by
+from pegaserve.engine.build import load_engine
+from pegaserve.engine.core import EngineConfig, Role
 from pegaserve.request import EngineRequest, Handoff, SamplingParams
+from pegaserve.sample.grammar import Constraint, GrammarSpec, _grammar, allowed_by
 from pegaserve.sample.sampler import SamplingRow, process_logits
 from pegaserve.stop import Eos, StopPolicy
 from pegaserve.tokenizer import Tokenizer

@@ -11,8 +11,8 @@ rows with processing, filters or a draft are `sample()`'s own.
 import pytest
 import torch
 
-from pegaserve.sample.sampler import sample, score_tokens
 from pegaserve.sample.on_device import sample_on_device, sample_split, score_on_device, score_torch
+from pegaserve.sample.sampler import sample, score_tokens
 from tests.sample.test_sampler import CHI2_7_DOF, DRAFT_PROBS, NUM_DRAWS, chi_square, random_logits, row
 
 DEVICES = [

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from pegaserve.request import SamplingParams
-from pegaserve.sample.sampler import SamplingRow, sample
 from pegaserve.sample.passes import argmax_rows, log_normalizers
+from pegaserve.sample.sampler import SamplingRow, sample
 
 EOS = 151645
 RUNNER_UP = 65  # the scripted model's runner-up token ("b")
@@ -316,7 +316,7 @@ def policy(max_tokens: int, **kw):
 
 
 def test_min_tokens_masks_eos_through_the_engine(tiny_model_dir):
-    from pegaserve.engine.engine import EngineConfig
+    from pegaserve.engine.core import EngineConfig
     from pegaserve.request import EngineRequest
     from pegaserve.stop import Eos, Token
     from pegaserve.testing.scripted import scripted_engine
@@ -337,7 +337,7 @@ def test_min_tokens_masks_eos_through_the_engine(tiny_model_dir):
 
 
 def test_min_tokens_masks_sampled_requests_through_the_engine(tiny_model_dir):
-    from pegaserve.engine.engine import EngineConfig
+    from pegaserve.engine.core import EngineConfig
     from pegaserve.request import EngineRequest
     from pegaserve.testing.scripted import scripted_engine
     from tests.helpers import run_to_completion, token_ids
@@ -363,7 +363,7 @@ def sampled(request_id: str, prompt: list[int], seed: int | None, **params):
 
 def load_tiny_engine(tiny_model_dir, **config):
     from pegaserve.engine.build import load_engine
-    from pegaserve.engine.engine import EngineConfig
+    from pegaserve.engine.core import EngineConfig
 
     return load_engine(tiny_model_dir, EngineConfig(num_blocks=256, **config), attention_backend="sdpa")
 

@@ -12,9 +12,17 @@ import pytest
 import torch
 
 from pegaserve.sample.sampler import sample
-from tests.sample.test_sampler import (CHI2_7_DOF, CHI2_8_DOF, DRAFT_PROBS, NUM_DRAWS, chi_square, drawn,
-                                       frequencies, random_logits, row)
-
+from tests.sample.test_sampler import (
+    CHI2_7_DOF,
+    CHI2_8_DOF,
+    DRAFT_PROBS,
+    NUM_DRAWS,
+    chi_square,
+    drawn,
+    frequencies,
+    random_logits,
+    row,
+)
 
 
 @pytest.mark.parametrize("draft", [0, 7, None], ids=["likely-draft", "unlikely-draft", "no-draft"])

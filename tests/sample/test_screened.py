@@ -9,11 +9,11 @@ import dataclasses
 import pytest
 import torch
 
-from pegaserve.sample import screened
 from pegaserve.cpu.lm_head import CpuLogits, ScreenedHead
 from pegaserve.request import SamplingParams
-from pegaserve.sample.sampler import SamplingRow, process_logits
+from pegaserve.sample import screened
 from pegaserve.sample.processing import edit_at
+from pegaserve.sample.sampler import SamplingRow, process_logits
 from pegaserve.sample.screened import draws_by_rejection, sample_hidden
 from tests.helpers import on_each_kernel_build
 from tests.sample.test_sampler import chi_square

@@ -9,11 +9,11 @@ from dataclasses import replace
 import pytest
 
 from pegaserve.engine.build import load_engine
-from pegaserve.engine.engine import EngineConfig, Role
+from pegaserve.engine.core import EngineConfig, Role
 from pegaserve.request import SamplingParams
 from pegaserve.sched.speculation import PredictionProposer
-from tests.helpers import PROMPTS, greedy_request, token_ids
 from tests.engine.test_engine_roles import prefill_then_decode
+from tests.helpers import PROMPTS, greedy_request, token_ids
 
 NEW_TOKENS = 32
 PROMPT = PROMPTS[1]

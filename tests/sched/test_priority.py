@@ -10,9 +10,9 @@ from dataclasses import replace
 import pytest
 
 from pegaserve.engine.build import load_engine
-from pegaserve.engine.engine import EngineConfig
-from pegaserve.sched.ranked_queue import RankedQueue
+from pegaserve.engine.core import EngineConfig
 from pegaserve.request import RequestState
+from pegaserve.sched.ranked_queue import RankedQueue
 from pegaserve.testing.scripted import scripted_engine
 from tests.helpers import greedy_request, run_to_completion, token_ids
 

@@ -4,9 +4,9 @@ run (docs/CONTRACT.md rule 1: nothing after the first terminal token is kept).""
 
 import pytest
 
-from pegaserve.engine.build import load_engine
 from pegaserve.config import SpeculativeConfig
-from pegaserve.engine.engine import EngineConfig, Role
+from pegaserve.engine.build import load_engine
+from pegaserve.engine.core import EngineConfig, Role
 from pegaserve.request import EngineRequest, Handoff, SamplingParams
 from pegaserve.sched.speculation import NgramProposer
 from pegaserve.stop import Eos, Length, StopPolicy, Token

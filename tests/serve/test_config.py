@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from pydantic import ValidationError
-
 from pegaserve.deployments.config import AppArgs
 from pegaserve.deployments.replica import engine_config
+from pydantic import ValidationError
+
 from pegaserve.config import Role
 
 

@@ -16,13 +16,13 @@ from array import array
 import pytest
 import ray
 import torch
-
 from pegaserve.deployments.handoff import transports
 from pegaserve.deployments.handoff.protocol import Lease, SharedCache
 from pegaserve.deployments.handoff.receiver import KvReceiver
 from pegaserve.deployments.handoff.sender import KvSender
 from pegaserve.deployments.handoff.transports import block_bytes, packed_shape
-from pegaserve.engine.core_process import SHM_DIR, map_kv_file
+
+from pegaserve.engine.process import SHM_DIR, map_kv_file
 from pegaserve.request import ParkedKv, ReceiveTarget
 
 TIMEOUT_S = 30.0

@@ -11,9 +11,9 @@ import time
 from types import SimpleNamespace
 
 import torch
-
 from pegaserve.deployments.handoff.receiver import KvReceiver
 from pegaserve.deployments.handoff.sender import KvSender
+
 from pegaserve.request import ParkedKv, StepOutput
 from tests.serve.test_handoff_fetch import (
     PROMPT_BLOCKS,

@@ -9,11 +9,11 @@ from array import array
 
 import pytest
 import torch
-
 from pegaserve.deployments.channel import Address
 from pegaserve.deployments.handoff import native, transports
 from pegaserve.deployments.handoff.protocol import Fetch, Lease
 from pegaserve.deployments.handoff.transports import GlooPair, Staging, slab_runs
+
 from pegaserve.request import ParkedKv
 
 TIMEOUT_S = 30.0

@@ -15,9 +15,9 @@ from ray import serve
 from transformers import Qwen3ForCausalLM
 
 from pegaserve.tokenizer import Tokenizer
+from tests.api.helpers import reference_beams
 from tests.contract import cases
 from tests.contract.cases import CASES
-from tests.api.helpers import reference_beams
 from tests.contract.checks import check_case
 from tests.helpers import PROMPTS
 from tests.serve.helpers import deploy, start_ray, wait_for_idle_pools

@@ -1,7 +1,7 @@
 """The engine loop in a process of its own, as vLLM runs its engine core: the model's Python never
 waits for the GIL of the replica that serves it (its event loop, Ray's threads, serialization).
 
-The replica starts `python -m pegaserve.engine.core_process COMMANDS MESSAGES` with one end of
+The replica starts `python -m pegaserve.engine.process COMMANDS MESSAGES` with one end of
 each of two socket pairs: commands go down the first; answers, step outputs and health reports come
 up the second, read on the replica's event loop as they arrive (as vLLM's API server reads its
 engine core's outputs), with no thread of the replica in between. Messages are length-prefixed
@@ -37,11 +37,12 @@ from pathlib import Path
 
 import torch
 
-from pegaserve.engine.async_engine import EngineDead, Transport
-from pegaserve.kv.files import map_kv_file
 from pegaserve.config import EngineConfig
-from pegaserve.engine.core import Command, EngineCore, Health, run_loop
+from pegaserve.engine.async_engine import EngineDead, EngineLink
+from pegaserve.engine.commands import Command, Health
+from pegaserve.engine.loop import EngineLoop, run_loop
 from pegaserve.heap import freeze_startup_heap
+from pegaserve.kv.files import map_kv_file
 
 log = logging.getLogger(__name__)
 _HEADER = struct.Struct("!I")
@@ -50,23 +51,23 @@ SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gette
 
 
 @dataclass(frozen=True)
-class EngineSpec:
+class EngineRecipe:
     """Everything the child needs to build its engine; `builder` names a module-level function
-    `(spec, *builder_args) -> Engine` (the product's `build_engine_from_spec`, or a test double's)."""
+    `(recipe, *builder_args) -> EngineCore` (the product's `build_from_recipe`, or a test double's)."""
 
     model_dir: str
     config: EngineConfig
     attention_backend: str = "auto"
     device: str = "cpu"
     torch_threads: int = 1
-    builder: str = "pegaserve.engine.core_process:build_engine_from_spec"
+    builder: str = "pegaserve.engine.process:build_from_recipe"
     builder_args: tuple = ()
 
 
-def build_engine_from_spec(spec: EngineSpec):
+def build_from_recipe(recipe: EngineRecipe):
     from pegaserve.engine.build import load_engine  # noqa: PLC0415 - the child's import
 
-    engine = load_engine(spec.model_dir, spec.config, spec.attention_backend, spec.device)
+    engine = load_engine(recipe.model_dir, recipe.config, recipe.attention_backend, recipe.device)
     # what the compiler leaves alive (transformers' modules, the tokenizer's tables: ~100k objects,
     # made after `_child_main` froze the startup heap) joins that heap, or every full collection
     # would walk it, in the middle of a step
@@ -74,11 +75,11 @@ def build_engine_from_spec(spec: EngineSpec):
     return engine
 
 
-def build_engine(spec: EngineSpec):
-    """The engine `spec.builder` makes."""
-    module, _, name = spec.builder.partition(":")
+def build_engine(recipe: EngineRecipe):
+    """The engine `recipe.builder` makes."""
+    module, _, name = recipe.builder.partition(":")
     builder = getattr(importlib.import_module(module), name)
-    return builder(spec, *spec.builder_args)
+    return builder(recipe, *recipe.builder_args)
 
 
 def _share(engine) -> tuple:
@@ -154,11 +155,11 @@ def _recv(sock: socket.socket) -> object | None:
 # --- the parent's side ---------------------------------------------------------------------------
 
 
-class ProcessTransport(Transport):
+class ProcessLink(EngineLink):
     """Starts the engine process and talks to it. The KV cache is a file in /dev/shm that both map;
     it is unlinked as soon as both have mapped it, so nothing outlives the two processes."""
 
-    def __init__(self, spec: EngineSpec, start_timeout_s: float = 300.0) -> None:
+    def __init__(self, recipe: EngineRecipe, start_timeout_s: float = 300.0) -> None:
         commands, child_commands = socket.socketpair()
         messages, child_messages = socket.socketpair()
         self._commands = commands
@@ -166,13 +167,13 @@ class ProcessTransport(Transport):
         self._lock = threading.Lock()
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "pegaserve.engine.core_process", str(child_commands.fileno()),
+            [sys.executable, "-m", "pegaserve.engine.process", str(child_commands.fileno()),
              str(child_messages.fileno())],
             pass_fds=(child_commands.fileno(), child_messages.fileno()), env=env,
         )  # fmt: skip
         child_commands.close()
         child_messages.close()
-        _send(commands, spec, self._lock)
+        _send(commands, recipe, self._lock)
         messages.settimeout(start_timeout_s)
         ready = _recv(messages)
         messages.setblocking(False)  # from now on read by the event loop, as messages arrive
@@ -302,15 +303,15 @@ def _child_main(commands_fd: int, messages_fd: int) -> None:
     commands = socket.socket(fileno=commands_fd)
     messages = socket.socket(fileno=messages_fd)
     lock = threading.Lock()
-    spec = _recv(commands)
-    torch.set_num_threads(spec.torch_threads)
+    recipe = _recv(commands)
+    torch.set_num_threads(recipe.torch_threads)
     try:
-        engine = build_engine(spec)
+        engine = build_engine(recipe)
         shared = _share(engine)
     except Exception as exc:
         _send(messages, ("failed", f"{type(exc).__name__}: {exc}"), lock)
         raise
-    core = EngineCore(engine)
+    core = EngineLoop(engine)
     freeze_startup_heap()
     _send(messages, ("ready", *shared), lock)
     closed = threading.Event()
