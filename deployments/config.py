@@ -8,30 +8,33 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pegaserve.api.model_info import served_name
+from pegaserve.config import EngineConfig, Limits, SpeculativeConfig
 from pegaserve.models.tiny import DEFAULT_MODEL_NAME, ensure_model_dir
 
 Transport = Literal["shm", "gloo", "nccl", "object_store"]
 API_KEYS_ENV = "PEGASERVE_API_KEYS"
+# every default below is pegaserve.config's, written there once
+ENGINE, SPECULATIVE, LIMITS = EngineConfig(), SpeculativeConfig(), Limits()
 
 
 class EngineArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    block_size: int = Field(16, ge=1, description="tokens per KV block")
-    num_blocks: int = Field(2048, ge=1, description="KV blocks per replica")
-    max_num_seqs: int = Field(64, ge=1, description="requests decoded together")
+    block_size: int = Field(ENGINE.block_size, ge=1, description="tokens per KV block")
+    num_blocks: int = Field(ENGINE.num_blocks, ge=1, description="KV blocks per replica")
+    max_num_seqs: int = Field(ENGINE.max_num_seqs, ge=1, description="requests decoded together")
     max_num_batched_tokens: int = Field(
-        2048, ge=1, description="tokens per engine step; longer prompts are prefilled in chunks of this size")
-    max_queued_requests: int = Field(1024, ge=1, description="waiting requests per replica before 429")
-    max_model_len: int | None = Field(None, ge=2, description="context length; default: the model's")
+        ENGINE.max_num_batched_tokens, ge=1, description="tokens per engine step; longer prompts are prefilled in chunks of this size")
+    max_queued_requests: int = Field(ENGINE.max_queued_requests, ge=1, description="waiting requests per replica before 429")
+    max_model_len: int | None = Field(ENGINE.max_model_len, ge=2, description="context length; default: the model's")
     attention_backend: Literal["auto", "sdpa", "triton"] = "auto"
     device: Literal["cpu", "cuda"] = "cpu"
     torch_threads: int = Field(1, ge=1, description="intra-op threads of each replica's engine process")
-    enable_prefix_caching: bool = Field(True, description="reuse the KV of cached prompt prefixes")
+    enable_prefix_caching: bool = Field(ENGINE.enable_prefix_caching, description="reuse the KV of cached prompt prefixes")
     separate_process: bool = Field(
         True, description="run each replica's engine loop in a process of its own (off its replica's GIL)")
     scheduling_policy: Literal["fcfs", "priority"] = Field(
-        "fcfs", description="fcfs: first come, first served; priority: by each request's `priority` (lower "
+        ENGINE.scheduling_policy, description="fcfs: first come, first served; priority: by each request's `priority` (lower "
         "first), then arrival, preempting lower-priority running requests for higher ones (vLLM's policies)")
 
 
@@ -41,9 +44,9 @@ class SpeculativeArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     method: Literal["ngram"] = "ngram"
-    num_draft_tokens: int = Field(4, ge=1, le=16, description="tokens proposed per step and verified in one")
-    prompt_lookup_min: int = Field(2, ge=1, description="shortest n-gram to match")
-    prompt_lookup_max: int = Field(4, ge=1, description="longest n-gram to match (tried first)")
+    num_draft_tokens: int = Field(SPECULATIVE.num_draft_tokens, ge=1, le=16, description="tokens proposed per step and verified in one")
+    prompt_lookup_min: int = Field(SPECULATIVE.prompt_lookup_min, ge=1, description="shortest n-gram to match")
+    prompt_lookup_max: int = Field(SPECULATIVE.prompt_lookup_max, ge=1, description="longest n-gram to match (tried first)")
 
     @model_validator(mode="after")
     def _ordered(self) -> "SpeculativeArgs":
@@ -55,15 +58,15 @@ class SpeculativeArgs(BaseModel):
 class LimitsArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    max_stop_strings: int = Field(16, ge=0)
-    max_stop_string_chars: int = Field(256, ge=1)
-    max_stop_token_ids: int = Field(262_144, ge=0, description="admits a whole-vocabulary stop set")
-    max_logprobs: int = Field(20, ge=0)
-    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="admits a ~1 MB whole-vocabulary stop set")
-    max_prompt_tokens: int | None = Field(None, ge=1, description="None: only the context limits prompts")
-    max_tokens: int | None = Field(None, ge=1, description="cap on max_tokens; None: only the context")
+    max_stop_strings: int = Field(LIMITS.max_stop_strings, ge=0)
+    max_stop_string_chars: int = Field(LIMITS.max_stop_string_chars, ge=1)
+    max_stop_token_ids: int = Field(LIMITS.max_stop_token_ids, ge=0, description="admits a whole-vocabulary stop set")
+    max_logprobs: int = Field(LIMITS.max_logprobs, ge=0)
+    max_body_bytes: int = Field(LIMITS.max_body_bytes, ge=1024, description="admits a ~1 MB whole-vocabulary stop set")
+    max_prompt_tokens: int | None = Field(LIMITS.max_prompt_tokens, ge=1, description="None: only the context limits prompts")
+    max_tokens: int | None = Field(LIMITS.max_tokens, ge=1, description="cap on max_tokens; None: only the context")
     trust_request_chat_template: bool = Field(
-        False, description="render a chat request's own `chat_template` (in transformers' sandbox), as vLLM's "
+        LIMITS.trust_request_chat_template, description="render a chat request's own `chat_template` (in transformers' sandbox), as vLLM's "
         "--trust-request-chat-template; otherwise such a request is a 400")
 
 
@@ -81,7 +84,7 @@ class AppArgs(BaseModel):
         True, description="gloo: a prefill replica paired with one decode replica sends each prompt's KV as it "
         "leases it, before decode asks (deployments/handoff/push.py); off: decode fetches it")
     transfer_timeout_s: float = Field(30.0, gt=0, description="a KV transfer that takes longer fails")
-    lease_timeout_s: float = Field(60.0, ge=0, description="prefill frees a prompt's unfetched KV after this")
+    lease_timeout_s: float = Field(ENGINE.lease_timeout_s, ge=0, description="prefill frees a prompt's unfetched KV after this")
     stream_interval: int = Field(
         1, ge=1, description="tokens per message from decode to the ingress and per SSE chunk (the first "
         "token and the finish are never held); more trades streaming granularity for throughput"

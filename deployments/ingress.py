@@ -17,7 +17,7 @@ from ray import serve
 from pegaserve.api.app import build_app
 from pegaserve.api.frontend import Frontend
 from pegaserve.api.model_info import model_info
-from pegaserve.api.validation import Limits
+from pegaserve.config import Limits
 from pegaserve.heap import freeze_startup_heap
 from pegaserve.models.config import ModelConfig
 from pegaserve.models.tiny import ensure_model_dir

@@ -1,4 +1,6 @@
-"""The engine's settings: its role, the paged KV cache, the batch budgets, speculation."""
+"""Every engine and request-limit default, written once: the engine's settings (its role, the paged
+KV cache, the batch budgets, speculation) and the API's request limits. The YAML's pydantic models
+(pegaserve/deployments/config.py) and the command line take their defaults from here."""
 
 from __future__ import annotations
 
@@ -46,3 +48,22 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         assert self.scheduling_policy in ("fcfs", "priority"), "validated at the config edge"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Configurable request limits (sane defaults; the whole-vocabulary stop set must still fit)."""
+
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
+    max_stop_token_ids: int = 262_144
+    max_logprobs: int = 20
+    max_body_bytes: int = 4 * 1024 * 1024  # a whole-vocabulary stop_token_ids list is about 1 MB
+    max_prompt_tokens: int | None = None  # None: only the context length limits the prompt
+    max_tokens: int | None = None  # a cap on max_tokens; None: only the context limits it
+    max_choices: int = 128  # choices in one request: prompts times n (OpenAI's n is at most 128)
+    max_logit_bias: int = 2048  # entries in logit_bias
+    max_bad_words: int = 128
+    max_bad_word_chars: int = 256
+    scheduling_policy: str = "fcfs"  # the engines': `priority` is accepted only under "priority"
+    trust_request_chat_template: bool = False  # vLLM's --trust-request-chat-template

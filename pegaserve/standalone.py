@@ -10,7 +10,7 @@ from pegaserve.api.app import build_app
 from pegaserve.api.clients import LocalEngineClient, LocalLedgerClient
 from pegaserve.api.frontend import Frontend
 from pegaserve.api.model_info import model_info, served_name
-from pegaserve.api.validation import Limits
+from pegaserve.config import Limits
 from pegaserve.engine.async_engine import AsyncEngine
 from pegaserve.engine.build import load_engine
 from pegaserve.engine.core import EngineConfig, EngineCore

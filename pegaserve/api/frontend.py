@@ -23,8 +23,9 @@ from pegaserve.api.model_info import ModelInfo
 from pegaserve.api.observer import RequestObserver
 from pegaserve.api.response_store import MemoryResponseStore, ResponseStore
 from pegaserve.api.stored_chats import StoredChat, StoredChats
-from pegaserve.api.validation import Limits, PromptPlan
+from pegaserve.api.validation import PromptPlan
 from pegaserve.api.wire import ChoiceResult, Usage, Wire
+from pegaserve.config import Limits
 from pegaserve.engine.core import EngineOverloaded, RequestRejected
 from pegaserve.ledger import Arrived, Finished, LedgerEvent, TokensCommitted
 from pegaserve.request import EngineRequest, SampledToken, SamplingParams, StepOutput

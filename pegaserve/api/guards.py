@@ -10,12 +10,13 @@ import hmac
 import json
 
 from pegaserve.api.errors import ApiError
+from pegaserve.config import Limits
 
 PROTECTED_PREFIXES = ("/v1", "/admin", "/tokenize", "/detokenize")
 
 
 class Guards:
-    def __init__(self, app, api_keys: tuple[str, ...] = (), max_body_bytes: int = 4 * 1024 * 1024,
+    def __init__(self, app, api_keys: tuple[str, ...] = (), max_body_bytes: int = Limits.max_body_bytes,
                  max_inflight: int | None = None, retry_after_s: int = 1) -> None:
         self.app = app
         self.api_keys = tuple(k.encode() for k in api_keys)

@@ -14,36 +14,17 @@ from pegaserve.api.choice import StopStrings
 from pegaserve.api.errors import ApiError, invalid
 from pegaserve.api.model_info import ModelInfo
 from pegaserve.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from pegaserve.config import Limits
 from pegaserve.request import SamplingParams
 from pegaserve.sample.grammar import GrammarSpec
 from pegaserve.stop import StopPolicy
 
-MAX_LOGPROBS = 20
 GREEDY_BELOW = 1e-5  # vLLM's threshold: a smaller temperature is greedy
 # fp32 logits divided by a smaller penalty overflow to inf; any penalty this small already makes
 # every repeated token with a positive logit win, so smaller ones act as this one.
 MIN_REPETITION_PENALTY = 1e-6
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on each bias
 INT64 = (-(2**63), 2**63 - 1)
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Configurable request limits (sane defaults; the whole-vocabulary stop set must still fit)."""
-
-    max_stop_strings: int = 16
-    max_stop_string_chars: int = 256
-    max_stop_token_ids: int = 262_144
-    max_logprobs: int = MAX_LOGPROBS
-    max_body_bytes: int = 4 * 1024 * 1024  # a whole-vocabulary stop_token_ids list is about 1 MB
-    max_prompt_tokens: int | None = None  # None: only the context length limits the prompt
-    max_tokens: int | None = None  # a cap on max_tokens; None: only the context limits it
-    max_choices: int = 128  # choices in one request: prompts times n (OpenAI's n is at most 128)
-    max_logit_bias: int = 2048  # entries in logit_bias
-    max_bad_words: int = 128
-    max_bad_word_chars: int = 256
-    scheduling_policy: str = "fcfs"  # the engines': `priority` is accepted only under "priority"
-    trust_request_chat_template: bool = False  # vLLM's --trust-request-chat-template
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import httpx
 import torch
 
 from pegaserve.api.frontend import Frontend
-from pegaserve.api.validation import Limits
+from pegaserve.config import Limits
 from pegaserve.engine.core import EngineConfig
 from pegaserve.standalone import build_local_frontend
 from pegaserve.testing.scripted import scripted_engine

@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 
 from pegaserve.api.app import build_app
-from pegaserve.api.validation import Limits
+from pegaserve.config import Limits
 from tests.api.helpers import scripted_frontend
 from tests.contract.server import ThreadedServer
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from pegaserve.api.app import build_app
 from pegaserve.api.protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest
-from pegaserve.api.validation import Limits
+from pegaserve.config import Limits
 from tests.api.helpers import PROMPT, raw_json, scripted_frontend
 from tests.contract.server import ThreadedServer
 

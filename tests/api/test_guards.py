@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from pegaserve.api.app import build_app
-from pegaserve.api.validation import Limits
+from pegaserve.config import Limits
 from pegaserve.engine.core import EngineConfig
 from tests.api.helpers import PROMPT, scripted_frontend
 from tests.contract.server import ThreadedServer

@@ -17,7 +17,7 @@ from pegaserve.api.clients import EngineClient
 from pegaserve.api.errors import ApiError
 from pegaserve.api.frontend import FAILED
 from pegaserve.api.protocol import CompletionRequest
-from pegaserve.api.validation import Limits
+from pegaserve.config import Limits
 from pegaserve.request import StepOutput
 from pegaserve.stop import Error
 from tests.api.helpers import PROMPT, raw_json, scripted_frontend
