@@ -20,7 +20,7 @@ CHUNK_TILE = 4096  # elements per program: 8 KiB of bf16, 16-byte vector loads o
 
 
 @triton.jit
-def _copy_blocks_kernel(
+def copy_blocks_kernel(
     src_ptr,
     dst_ptr,
     block_ids_ptr,
@@ -87,7 +87,7 @@ def _launch(src: torch.Tensor, dst: torch.Tensor, block_ids: torch.Tensor, gathe
     if num_ids == 0 or num_layers == 0:
         return
     tile = min(CHUNK_TILE, triton.next_power_of_2(chunk))
-    _copy_blocks_kernel[(num_layers * 2, num_ids, cdiv(chunk, tile))](
+    copy_blocks_kernel[(num_layers * 2, num_ids, cdiv(chunk, tile))](
         src, dst, block_ids,
         src.stride(0), src.stride(1), src.stride(2),
         dst.stride(0), dst.stride(1), dst.stride(2),

@@ -33,11 +33,11 @@ class CompileCase:
 
 
 def cases() -> list[CompileCase]:
-    from .block_copy import _copy_blocks_kernel
-    from .decode_attention import _decode_merge_kernel, _decode_split_kernel
-    from .norm_rope import _add_rms_norm_kernel, _qk_norm_rope_kernel
-    from .prefill_attention import _prefill_attention_kernel
-    from .store_kv import _store_kv_kernel
+    from .block_copy import copy_blocks_kernel
+    from .decode_attention import decode_merge_kernel, decode_split_kernel
+    from .norm_rope import add_rms_norm_kernel, qk_norm_rope_kernel
+    from .prefill_attention import prefill_attention_kernel
+    from .store_kv import store_kv_kernel
 
     def attention_pointers(dtype: str, out: str = "out_ptr") -> dict[str, str]:
         return {"q_ptr": dtype, "cache_ptr": dtype, out: dtype, "block_tables_ptr": "i64", "context_lens_ptr": "i64"}
@@ -47,41 +47,41 @@ def cases() -> list[CompileCase]:
     partials = {"part_out_ptr": "fp32", "part_lse_ptr": "fp32"}
     return [
         CompileCase(
-            "store_kv bf16", _store_kv_kernel,
+            "store_kv bf16", store_kv_kernel,
             {"k_ptr": "bf16", "v_ptr": "bf16", "cache_ptr": "bf16", "slot_mapping_ptr": "i64"},
             dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128),
         ),
         CompileCase(
-            "decode split bf16", _decode_split_kernel, attention_pointers("bf16") | partials,
+            "decode split bf16", decode_split_kernel, attention_pointers("bf16") | partials,
             dict(**decode, SPLIT=True, DOT_PRECISION="tf32"), floats=("scale_log2",),
         ),
         CompileCase(
-            "decode fp32", _decode_split_kernel, attention_pointers("fp32") | partials,
+            "decode fp32", decode_split_kernel, attention_pointers("fp32") | partials,
             dict(**decode | {"BLOCK_N": 32}, SPLIT=False, DOT_PRECISION="ieee"), floats=("scale_log2",),
         ),
         CompileCase(
-            "decode merge bf16", _decode_merge_kernel, {"part_out_ptr": "fp32", "part_lse_ptr": "fp32", "out_ptr": "bf16"},
+            "decode merge bf16", decode_merge_kernel, {"part_out_ptr": "fp32", "part_lse_ptr": "fp32", "out_ptr": "bf16"},
             dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=64),
         ),
         CompileCase(
-            "prefill bf16", _prefill_attention_kernel, attention_pointers("bf16") | {"query_start_loc_ptr": "i64"},
+            "prefill bf16", prefill_attention_kernel, attention_pointers("bf16") | {"query_start_loc_ptr": "i64"},
             dict(**prefill, DOT_PRECISION="tf32"), floats=("scale_log2",),
         ),
         CompileCase(
-            "prefill fp32", _prefill_attention_kernel, attention_pointers("fp32") | {"query_start_loc_ptr": "i64"},
+            "prefill fp32", prefill_attention_kernel, attention_pointers("fp32") | {"query_start_loc_ptr": "i64"},
             dict(**prefill | {"BLOCK_M": 32, "BLOCK_N": 32}, DOT_PRECISION="ieee"), floats=("scale_log2",),
         ),
         CompileCase(
-            "gather blocks bf16", _copy_blocks_kernel, {"src_ptr": "bf16", "dst_ptr": "bf16", "block_ids_ptr": "i64"},
+            "gather blocks bf16", copy_blocks_kernel, {"src_ptr": "bf16", "dst_ptr": "bf16", "block_ids_ptr": "i64"},
             dict(CHUNK=16 * 8 * 128, TILE=4096, GATHER=True),
         ),
         CompileCase(
-            "add rms_norm bf16", _add_rms_norm_kernel,
+            "add rms_norm bf16", add_rms_norm_kernel,
             {"x_ptr": "bf16", "residual_ptr": "bf16", "weight_ptr": "bf16", "out_ptr": "bf16", "residual_out_ptr": "bf16"},
             dict(HIDDEN=1024, BLOCK=1024, HAS_RESIDUAL=True), floats=("eps",),
         ),
         CompileCase(
-            "qk norm+rope bf16", _qk_norm_rope_kernel,
+            "qk norm+rope bf16", qk_norm_rope_kernel,
             {"q_ptr": "bf16", "k_ptr": "bf16", "q_out_ptr": "bf16", "k_out_ptr": "bf16", "q_weight_ptr": "bf16",
              "k_weight_ptr": "bf16", "cos_ptr": "fp32", "sin_ptr": "fp32", "positions_ptr": "i64"},
             dict(NUM_HEADS=16, NUM_KV_HEADS=8, HALF=64, BLOCK_H=16, BLOCK_KVH=8, BLOCK_HALF=64), floats=("eps",),

@@ -34,7 +34,7 @@ MAX_SPLITS = 64
 
 
 @triton.jit(do_not_specialize=["num_splits"])  # one binary whatever the split count
-def _decode_split_kernel(
+def decode_split_kernel(
     q_ptr,
     cache_ptr,
     block_tables_ptr,
@@ -116,7 +116,7 @@ def _decode_split_kernel(
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _decode_merge_kernel(
+def decode_merge_kernel(
     part_out_ptr,
     part_lse_ptr,
     out_ptr,
@@ -263,7 +263,7 @@ def _launch(
     if split:
         part_out = torch.empty((num_reqs, num_heads, launch.num_splits, block_d), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((num_reqs, num_heads, launch.num_splits), dtype=torch.float32, device=q.device)
-    _decode_split_kernel[(num_reqs, num_kv_heads, launch.num_splits)](
+    decode_split_kernel[(num_reqs, num_kv_heads, launch.num_splits)](
         q, kv_layer, block_tables, context_lens, out, part_out, part_lse,
         scale * LOG2_E, launch.split_len, launch.num_splits,
         q.stride(0), q.stride(1),
@@ -281,7 +281,7 @@ def _launch(
         num_warps=launch.num_warps,
     )  # fmt: skip
     if split:
-        _decode_merge_kernel[(num_reqs, num_heads)](
+        decode_merge_kernel[(num_reqs, num_heads)](
             part_out, part_lse, out, launch.num_splits, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=MAX_SPLITS,
         )  # fmt: skip

@@ -21,7 +21,7 @@ from .checks import ATTENTION_DTYPES, INDEX_DTYPES, check_same_dtype, check_tens
 
 
 @triton.jit
-def _add_rms_norm_kernel(
+def add_rms_norm_kernel(
     x_ptr,
     residual_ptr,
     weight_ptr,
@@ -65,7 +65,7 @@ def add_rms_norm(
     out = torch.empty_like(x)
     summed = torch.empty_like(x) if residual is not None else x
     if num_rows > 0:
-        _add_rms_norm_kernel[(num_rows,)](
+        add_rms_norm_kernel[(num_rows,)](
             x, residual if residual is not None else x, weight, out, summed, eps,
             x.stride(0), (residual if residual is not None else x).stride(0), out.stride(0), summed.stride(0),
             HIDDEN=hidden, BLOCK=next_pow2(hidden), HAS_RESIDUAL=residual is not None,
@@ -125,7 +125,7 @@ def _norm_rope_heads(
 
 
 @triton.jit
-def _qk_norm_rope_kernel(
+def qk_norm_rope_kernel(
     q_ptr,
     k_ptr,
     q_out_ptr,
@@ -199,7 +199,7 @@ def qk_norm_rope(
         torch.empty(k.shape, dtype=k.dtype, device=device),
     )
     if num_tokens > 0:
-        _qk_norm_rope_kernel[(num_tokens,)](
+        qk_norm_rope_kernel[(num_tokens,)](
             q, k, q_out, k_out, q_weight, k_weight, cos, sin, positions, eps,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
             NUM_HEADS=num_heads, NUM_KV_HEADS=k.shape[1], HALF=head_dim // 2,

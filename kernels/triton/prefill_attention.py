@@ -31,7 +31,7 @@ LOG2_E = 1.4426950408889634
 
 
 @triton.jit
-def _prefill_attention_kernel(
+def prefill_attention_kernel(
     q_ptr,
     cache_ptr,
     block_tables_ptr,
@@ -152,7 +152,7 @@ def prefill_attention(
         return out
     block_m, block_n, num_warps = _tiles(device, q.dtype)
     grid = (num_reqs, num_heads, cdiv(max_query_len, block_m))
-    _prefill_attention_kernel[grid](
+    prefill_attention_kernel[grid](
         q, kv_layer, block_tables, context_lens, query_start_loc, out,
         scale * LOG2_E,
         q.stride(0), q.stride(1),

@@ -15,7 +15,7 @@ from .checks import ATTENTION_DTYPES, INDEX_DTYPES, check_same_dtype, check_tens
 
 
 @triton.jit
-def _store_kv_kernel(
+def store_kv_kernel(
     k_ptr,
     v_ptr,
     cache_ptr,
@@ -67,7 +67,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, slot_mapp
     check_tensor("slot_mapping", slot_mapping, shape=(num_tokens,), dtypes=INDEX_DTYPES, device=kv_layer.device)
     if num_tokens == 0:
         return
-    _store_kv_kernel[(num_tokens,)](
+    store_kv_kernel[(num_tokens,)](
         k, v, kv_layer, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),

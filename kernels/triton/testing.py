@@ -65,7 +65,7 @@ def kernels_unavailable_reason() -> str | None:
     from triton.runtime.interpreter import InterpretedFunction
 
     store_kv = importlib.import_module("pegaserve.kernels.store_kv")
-    if not isinstance(store_kv._store_kv_kernel, InterpretedFunction):
+    if not isinstance(store_kv.store_kv_kernel, InterpretedFunction):
         return "pegaserve.kernels was imported before TRITON_INTERPRET=1 was set"
     if not isinstance(importlib.import_module("triton.language").zeros, InterpretedFunction):
         return "triton.language was imported in compile mode; set TRITON_INTERPRET=1 before anything imports triton"
