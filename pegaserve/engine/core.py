@@ -171,7 +171,7 @@ class EngineCore:
 
     @property
     def parked(self) -> dict[str, RequestState]:
-        return self.scheduler.parked
+        return self.scheduler.leases.parked
 
     def parked_block_ids(self, request_id: str) -> tuple[int, ...]:
         """The prompt's blocks of a parked request (its choices share them)."""
@@ -217,7 +217,7 @@ class EngineCore:
         return EngineStats(
             num_waiting=len(s.waiting),
             num_running=len(s.running),
-            num_parked=len(s.parked),
+            num_parked=len(s.leases.parked),
             num_receiving=sum(len(c) for c in s.receiving.values()),
             num_blocks=self.pool.num_blocks,
             num_free_blocks=self.pool.num_free_blocks,

@@ -14,24 +14,16 @@ scheduled_request.py.
 
 from __future__ import annotations
 
-import time
 from bisect import insort
 from collections import deque
 from dataclasses import replace
 
 from pegaserve.config import EngineConfig, Role
 from pegaserve.kv.manager import KvCacheManager
-from pegaserve.request import (
-    EngineRequest,
-    Handoff,
-    ParkedKv,
-    ReceiveTarget,
-    RequestState,
-    SampledToken,
-    Status,
-    StepOutput,
-)
+from pegaserve.request import (EngineRequest, Handoff, ParkedKv, ReceiveTarget, RequestState, SampledToken, Status,
+                               StepOutput)
 from pegaserve.sample.grammar import Grammars
+from pegaserve.sched.leases import Leases
 from pegaserve.sched.output import RunnerOutput, ScheduledRequest, SchedulerOutput
 from pegaserve.sched.ranked_queue import RankedQueue, rank
 from pegaserve.sched.scheduled import scheduled_request
@@ -52,8 +44,7 @@ class Scheduler:
         self.by_priority = config.scheduling_policy == "priority"
         self.waiting: deque[RequestState] | RankedQueue = RankedQueue() if self.by_priority else deque()
         self.running: list[RequestState] = []  # by rank under the priority policy
-        self.parked: dict[str, RequestState] = {}  # prefill role: first token out, blocks held for export
-        self.lease_deadlines: dict[str, float] = {}  # parked choice id -> when its blocks are freed
+        self.leases = Leases(config.lease_timeout_s)  # prefill role: first token out, blocks held for export
         self.receiving: dict[str, list[RequestState]] = {}  # decode role: request id -> choices awaiting KV
         self.requests: dict[str, RequestState] = {}  # every live choice, by choice id
         self.groups: dict[str, tuple[str, ...]] = {}  # request id -> its choice ids (n > 1 only)
@@ -352,11 +343,8 @@ class Scheduler:
         request.draft_token_ids = drafts
 
     def _park(self, request: RequestState) -> ParkedKv:
-        request.set_status(Status.PARKED)
-        self.parked[request.request_id] = request
-        held_until = self.lease_deadlines[request.request_id] = time.monotonic() + self.config.lease_timeout_s
         block_ids = self.kv.block_ids(request.request_id)
-        return ParkedKv(block_ids, tuple(self.kv.pool.generations[b] for b in block_ids), held_until)
+        return self.leases.park(request, block_ids, (self.kv.pool.generations[b] for b in block_ids))
 
     # --- leaving ---------------------------------------------------------------------------------
 
@@ -366,8 +354,7 @@ class Scheduler:
             request.finish = cause
         if request.status is Status.WAITING and request in self.waiting:
             self.waiting.remove(request)
-        self.parked.pop(request.request_id, None)
-        self.lease_deadlines.pop(request.request_id, None)
+        self.leases.drop(request.request_id)
         self._forget_id(request)
         if self.proposer is not None:
             self.proposer.forget(request.request_id)
@@ -440,12 +427,11 @@ class Scheduler:
         return bool(parked)
 
     def parked_choices(self, request_id: str) -> list[RequestState]:
-        return [self.parked[c] for c in self.choice_ids(request_id) if c in self.parked]
+        return self.leases.of(self.choice_ids(request_id))
 
     def expire_leases(self, now: float) -> list[str]:
         """Free parked requests whose lease ran out (decode never came); returns their ids."""
-        expired = [c for c, deadline in self.lease_deadlines.items() if deadline <= now]
-        for choice_id in expired:
-            request = self.parked[choice_id]
+        expired = self.leases.expired(now)
+        for request in expired:
             self._finish(request, request.finish or Abort())
-        return expired
+        return [request.request_id for request in expired]
