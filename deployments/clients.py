@@ -25,7 +25,7 @@ from pegaserve.deployments.tokens import TokenInbox
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 
-from pegaserve.api.clients import EngineClient, LedgerClient
+from pegaserve.api.services import EngineClient, LedgerClient
 from pegaserve.engine.core import EngineOverloaded, RequestRejected
 from pegaserve.ledger import Finished, LedgerEvent, Migrated, Prefilled
 from pegaserve.request import EngineRequest, SampledToken, StepOutput

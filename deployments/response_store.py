@@ -1,4 +1,4 @@
-"""The Responses API's stored responses (`pegaserve.api.response_store`) as one named Ray actor,
+"""The Responses API's stored responses (`pegaserve.api.responses.store`) as one named Ray actor,
 shared by every ingress replica: a response stored through one is continued through another."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import ray
 from pegaserve.deployments.ledger import NAMESPACE, DetachedCalls
 
-from pegaserve.api.response_store import MemoryResponseStore, ResponseStore
+from pegaserve.api.responses.store import MemoryResponseStore, ResponseStore
 
 RESPONSE_STORE_NAME = "pegaserve-responses"
 

@@ -7,7 +7,7 @@ import argparse
 from dataclasses import replace
 
 from pegaserve.api.app import build_app
-from pegaserve.api.clients import LocalEngineClient, LocalLedgerClient
+from pegaserve.api.services import LocalEngineClient, LocalLedgerClient
 from pegaserve.api.frontend import Frontend
 from pegaserve.api.model_info import model_info, served_name
 from pegaserve.config import Limits

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from pegaserve.api.clients import LedgerClient
+from pegaserve.api.services import LedgerClient
 
 _INDEXED = re.compile(r"^(.+)-(\d+)$")
 

@@ -182,7 +182,7 @@ Includable = Literal["message.output_text.logprobs", "reasoning.encrypted_conten
 
 
 class ResponsesRequest(SamplingKnobs):
-    """OpenAI's Responses API (pegaserve/api/responses.py), run as a chat completion: `input` and
+    """OpenAI's Responses API (pegaserve/api/responses/endpoint.py), run as a chat completion: `input` and
     `instructions` become the messages, `max_output_tokens` the length limit, `text.format` the
     response format, `reasoning.effort` the template's reasoning effort; stored unless `store` is
     false, for `previous_response_id` to continue."""
@@ -210,7 +210,7 @@ class ResponsesRequest(SamplingKnobs):
     top_logprobs: StrictInt = 0
     store: StrictBool = True  # kept for `previous_response_id` and GET /v1/responses/{id} (response_store.py)
     previous_response_id: str | None = None
-    background: StrictBool = False  # answered `queued` at once, generated on (pegaserve/api/background.py)
+    background: StrictBool = False  # answered `queued` at once, generated on (pegaserve/api/responses/background.py)
     max_tool_calls: StrictInt | None = None  # a bound on built-in tools' calls: none run here (no effect)
     # Refused unless at their defaults (`REFUSED_RESPONSES`): conversations and prompts are not kept here
     prompt: JsonValue = None

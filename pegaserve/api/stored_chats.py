@@ -1,6 +1,6 @@
 """OpenAI's stored chat completions (`store: true` on chat): the whole completion, streamed or not,
 is kept with its `metadata` and its request's messages before the client has its last byte, in the
-store the Responses API keeps its responses in (pegaserve/api/response_store.py: the most recent
+store the Responses API keeps its responses in (pegaserve/api/responses/store.py: the most recent
 `max_stored_responses` of both, in memory; behind Ray one actor every ingress replica shares).
 `GET /v1/chat/completions` lists them (`model`, `metadata[key]=value`, `after`, `limit`, `order`),
 `GET`/`POST`/`DELETE /v1/chat/completions/{id}` read one, replace its metadata, drop it, and
@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from pegaserve.api.errors import ApiError, invalid
-from pegaserve.api.response_store import ResponseStore
+from pegaserve.api.responses.store import ResponseStore
 
 PREFIX = "chatcmpl-"  # a chat completion's id; the store's other keys are responses' (`resp_...`)
 MAX_METADATA_KEYS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's limits

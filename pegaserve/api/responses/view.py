@@ -1,6 +1,6 @@
 """The Responses API's output side: a chat completion (its body, or its chunks) as the response
 object (or its typed events, each with its `sequence_number`), and what a stored response keeps
-(pegaserve/api/responses.py builds the chat job; this reads what it gives back)."""
+(pegaserve/api/responses/endpoint.py builds the chat job; this reads what it gives back)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from pegaserve.api.errors import ApiError
 from pegaserve.api.protocol import ResponsesRequest
-from pegaserve.api.response_store import ResponseStore
+from pegaserve.api.responses.store import ResponseStore
 
 
 def input_items(body: ResponsesRequest) -> list[dict]:

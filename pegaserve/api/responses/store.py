@@ -8,7 +8,7 @@ Ray as it is. Instructions are not part of the conversation: a response continue
 does not inherit them (OpenAI's rule). The store keeps the most recent `max_responses` in memory;
 behind Ray one store actor serves every ingress replica (deployments/response_store.py).
 A background response's status moves by `replace`, a compare-and-set, and it carries `alive_until`,
-which its generation renews (`keep_alive`; pegaserve/api/background.py); a streamed one, its
+which its generation renews (`keep_alive`; pegaserve/api/responses/background.py); a streamed one, its
 `events` too, which `keep_alive` adds to. Stored chat completions (`store` on chat) share the store,
 under their `chatcmpl-` ids (pegaserve/api/stored_chats.py).
 """

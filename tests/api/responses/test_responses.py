@@ -1,4 +1,4 @@
-"""The Responses API (pegaserve/api/responses.py) with the official openai client: a response is the
+"""The Responses API (pegaserve/api/responses/endpoint.py) with the official openai client: a response is the
 chat completion of its messages, token for token; its streamed events add up to it in OpenAI's
 order; function tools, tool outputs and text formats travel as chat's; what is not served is a 400
 naming the Responses parameter."""
@@ -13,8 +13,8 @@ import openai
 import pytest
 
 from pegaserve.api.protocol import REFUSED_RESPONSES, ResponsesRequest
-from pegaserve.api.response_store import MemoryResponseStore
-from pegaserve.api.responses import chat_body
+from pegaserve.api.responses.store import MemoryResponseStore
+from pegaserve.api.responses.endpoint import chat_body
 from tests.api.field_kinds import NO_EFFECT, REFUSED_VALUES
 from tests.api.test_tools import TIME, WEATHER, tools_app
 from tests.contract.server import ThreadedServer

@@ -9,14 +9,14 @@ prompt, the stop contract, tools, structured output, the ledger and P/D, whichev
   calls; `incomplete` with reason `max_output_tokens` when the length limit cut it. Streamed, the
   typed events OpenAI sends, each with its `sequence_number`, from `response.created` to
   `response.completed` (or `.incomplete`, or `error` then `response.failed`): `ResponseView`
-  (pegaserve/api/response_view.py).
+  (pegaserve/api/responses/view.py).
 - `include: ["message.output_text.logprobs"]` (with `top_logprobs`): chat's logprobs, in the same
   shape, on the `output_text` and its deltas.
-- `store` (on by default): the response is kept (pegaserve/api/response_store.py) before its last
+- `store` (on by default): the response is kept (pegaserve/api/responses/store.py) before its last
   event, for `previous_response_id` to continue (its input and output items come before the new
   input; its instructions do not carry over) and for `GET`/`DELETE /v1/responses/{id}`.
 - `background` (with `store`): the response comes back `queued` at once and is generated in the
-  background (pegaserve/api/background.py); GET reads it, `POST .../cancel` stops it. With
+  background (pegaserve/api/responses/background.py); GET reads it, `POST .../cancel` stops it. With
   `stream` too, the POST streams its events, and `GET /v1/responses/{id}?stream=true` (from
   `starting_after`) replays and follows them, through any ingress replica.
   Server-side conversations and prompts are refused (REFUSED_RESPONSES).
@@ -30,14 +30,14 @@ from dataclasses import replace
 from pydantic import ValidationError
 
 from pegaserve.api import validation as v
-from pegaserve.api.background import BackgroundResponses
+from pegaserve.api.responses.background import BackgroundResponses
 from pegaserve.api.body import complaint
 from pegaserve.api.errors import ApiError, invalid
 from pegaserve.api.frontend import Job, new_response_id
 from pegaserve.api.jobs import chat_job, chat_prompt_ids
 from pegaserve.api.protocol import REFUSED_RESPONSES, ChatCompletionRequest, ResponsesRequest, SamplingKnobs
-from pegaserve.api.response_store import ACTIVE
-from pegaserve.api.response_view import ResponseView, input_items
+from pegaserve.api.responses.store import ACTIVE
+from pegaserve.api.responses.view import ResponseView, input_items
 from pegaserve.api.stored_chats import check_metadata
 from pegaserve.api.tools import chat_tools
 

@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from pegaserve.api.errors import ApiError, invalid
-from pegaserve.api.response_store import ACTIVE, ResponseStore
+from pegaserve.api.responses.store import ACTIVE, ResponseStore
 
 log = logging.getLogger(__name__)
 

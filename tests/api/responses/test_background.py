@@ -1,6 +1,6 @@
 """Background responses (`background: true`): answered `queued` at once, generated on, read back
 whole with GET, stopped by cancel — through this frontend, or through another replica sharing the
-store (pegaserve/api/background.py)."""
+store (pegaserve/api/responses/background.py)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import time
 import httpx
 import openai
 
-from pegaserve.api.background import BackgroundResponses
+from pegaserve.api.responses.background import BackgroundResponses
 from pegaserve.api.protocol import ResponsesRequest
-from pegaserve.api.response_store import ACTIVE, MemoryResponseStore
-from pegaserve.api.response_view import ResponseView
+from pegaserve.api.responses.store import ACTIVE, MemoryResponseStore
+from pegaserve.api.responses.view import ResponseView
 
 LONG = {"max_output_tokens": 3000, "temperature": 0, "ignore_eos": True}  # seconds of decoding: still running
 
