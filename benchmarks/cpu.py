@@ -41,7 +41,7 @@ def _label(process: psutil.Process) -> str:
         return "driver (bench client)"
     base = os.path.basename(first)
     if base.startswith("python"):
-        if "-m" in cmdline[1:-1]:  # `python -m pegaserve.engine.core_process ...`: the module
+        if "-m" in cmdline[1:-1]:  # `python -m pegaserve.engine.process ...`: the module
             return cmdline[cmdline.index("-m", 1) + 1]
         script = next((os.path.basename(a) for a in cmdline[1:] if a.endswith(".py")), base)
         return re.sub(r"\.py$", "", script)

@@ -71,8 +71,8 @@ def make_prompts(num_prompts: int = NUM_PROMPTS, seed: int = PROMPT_SEED) -> lis
 
 def make_engine(model_dir: Path, max_num_seqs: int, num_blocks: int | None = None):
     """fp32, sdpa attention; by default just enough 16-token blocks for every prompt at once."""
-    from pegaserve.engine.build import load_engine  # noqa: PLC0415 - keep --help fast
     from pegaserve.config import EngineConfig  # noqa: PLC0415
+    from pegaserve.engine.build import load_engine  # noqa: PLC0415 - keep --help fast
 
     if num_blocks is None:
         num_blocks = NUM_PROMPTS * -(-(MAX_PROMPT_TOKENS + NEW_TOKENS) // 16)

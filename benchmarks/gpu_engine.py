@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from pegaserve.models.tiny import Qwen3Shape, write_random_checkpoint
-from pegaserve.engine.build import load_engine
 from pegaserve.config import EngineConfig
+from pegaserve.engine.build import load_engine
 from pegaserve.engine.offline import num_tokens, run_until_idle
+from pegaserve.models.tiny import Qwen3Shape, write_random_checkpoint
 from pegaserve.request import EngineRequest, SamplingParams
 from pegaserve.stop import StopPolicy
 
@@ -176,8 +176,8 @@ def _sampling_cost_line(batch: int, vocab_size: int, device: str) -> str:
     """Where an engine step's time goes besides the model: sampling where the logits are (what the
     runner does), greedy and at temperature 1, against the CPU route (logits to the CPU, `sample()`)."""
     try:
-        from pegaserve.sample.sampler import SamplingRow, sample
         from pegaserve.sample.on_device import sample_on_device
+        from pegaserve.sample.sampler import SamplingRow, sample
 
         logits = torch.randn(batch, vocab_size, device=device)
         greedy = [SamplingRow(SamplingParams(temperature=0.0), 0)] * batch

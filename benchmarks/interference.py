@@ -14,7 +14,7 @@ than 1% of the steady streams' tokens. At the default (one long prompt every 0.5
 on the fastest host seen (the 8 streams decoding ~1000 tokens/s); one a second gave ~1.6% on hosts
 half as fast, but ~0.8% there, under the 99th percentile; one every 2 s, ~0.7% on the slow hosts.
 
-Writes docs/bench/interference.json, INTERFERENCE.md and interference.png.
+Writes docs/bench/INTERFERENCE.md, and benchmarks/results/interference.json and interference.png.
 
     python -m benchmarks.interference [--systems pd,colocated] [--seconds 60] [--url URL]
 """
@@ -28,11 +28,11 @@ import random
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
-from benchmarks.reports import kept_notes, machine
+from benchmarks.reports import DOCS_DIR, RESULTS_DIR, kept_notes, link, machine
 
-OUT = Path(__file__).resolve().parents[1] / "docs" / "bench"
+OUT = DOCS_DIR  # INTERFERENCE.md
+RESULTS = RESULTS_DIR  # interference.json and interference.png
 MODEL = "qwen3-tiny"
 SYSTEMS = {"pd": "pegaserve P/D", "colocated": "pegaserve colocated"}
 STEADY_PROMPT_TOKENS = 64
@@ -142,11 +142,12 @@ async def measure(url: str, system: str, args) -> SystemRun:
 
 def report(runs: list[SystemRun], args) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     summaries = [r.summary() for r in runs]
     meta = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"), "streams": args.streams,
             "seconds": args.seconds, "long_tokens": args.long_tokens, "long_every_s": args.long_every_s}
-    (OUT / "interference.json").write_text(json.dumps({"meta": meta, "summaries": summaries,
-                                                       "runs": [asdict(r) for r in runs]}))
+    (RESULTS / "interference.json").write_text(json.dumps({"meta": meta, "summaries": summaries,
+                                                           "runs": [asdict(r) for r in runs]}))
     lines = ["# Decode latency under long-prompt interference", "",
              f"{args.streams} steady streams ({STEADY_PROMPT_TOKENS}-token prompts, {STEADY_NEW_TOKENS} tokens out, "
              f"greedy) while a fresh {args.long_tokens}-token prompt arrives every {args.long_every_s} s (at most two "
@@ -163,7 +164,7 @@ def report(runs: list[SystemRun], args) -> None:
     if "pd" in by and "colocated" in by and by["colocated"]["itl_p99_ms"]:
         ratio = by["pd"]["itl_p99_ms"] / by["colocated"]["itl_p99_ms"]
         lines += ["", f"**ITL p99, P/D / colocated: {ratio:.2f}x** (target ≤ 0.5x)."]
-    lines += ["", "![ITL under interference](interference.png)", "", "## Notes", "",
+    lines += ["", f"![ITL under interference]({link(RESULTS / 'interference.png', OUT)})", "", "## Notes", "",
               kept_notes(OUT / "INTERFERENCE.md"), ""]
     (OUT / "INTERFERENCE.md").write_text("\n".join(lines))
     plot(runs)
@@ -188,7 +189,7 @@ def plot(runs: list[SystemRun]) -> None:
     ax.legend()
     ax.set_title("Decode ITL while long prompts arrive")
     fig.tight_layout()
-    fig.savefig(OUT / "interference.png", dpi=120)
+    fig.savefig(RESULTS / "interference.png", dpi=120)
 
 
 def main() -> None:

@@ -12,7 +12,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from pegaserve.attention.triton import TritonBackend
 from pegaserve.kernels.block_copy import (
     gather_blocks,
     gather_blocks_reference,
@@ -26,6 +25,7 @@ from pegaserve.kernels.store_kv import store_kv, store_kv_reference
 from pegaserve.kernels.testing import PagedBatch, make_paged_batch, noise, random_qkv
 
 from pegaserve.attention.backend import AttentionBatch, SdpaBackend
+from pegaserve.attention.triton import TritonBackend
 
 
 @dataclass(frozen=True)

@@ -100,8 +100,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per head and row count")
     parser.add_argument("--steps", type=int, default=30, help="decode steps timed per head")
     args = parser.parse_args(argv)
-    from pegaserve.engine.build import load_engine  # noqa: PLC0415
     from pegaserve.config import EngineConfig  # noqa: PLC0415
+    from pegaserve.engine.build import load_engine  # noqa: PLC0415
 
     torch.set_num_threads(1)
     engine = load_engine(args.model, EngineConfig(num_blocks=512, max_num_seqs=DECODE_BATCH), "sdpa")

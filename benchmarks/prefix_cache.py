@@ -7,7 +7,7 @@ setting: the client's TTFT; the prefill replicas' prefix-cache hit rate over the
 (/admin/stats); and from each request's ledger record the KV bytes that moved to decode and those
 decode already held in its own prefix cache (`cached_bytes`: bytes the handoff saved). The tokens
 must be the same either way. A benchmark, not a test: it asserts nothing but prints and writes
-docs/bench/prefix.json and PREFIX.md.
+benchmarks/results/prefix.json and docs/bench/PREFIX.md.
 
     python -m benchmarks.prefix_cache [--shared-tokens 1024] [--requests 16]
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from benchmarks.reports import DOCS_DIR, kept_notes, machine
+from benchmarks.reports import DOCS_DIR, RESULTS_DIR, kept_notes, link, machine
 
 MODEL = "qwen3-tiny"
 SUFFIX_TOKENS = 32
@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shared-tokens", type=int, default=1024)
     parser.add_argument("--requests", type=int, default=16, help="timed requests per setting")
-    parser.add_argument("--out", type=Path, default=DOCS_DIR)
+    parser.add_argument("--out", type=Path, default=DOCS_DIR, help="where PREFIX.md goes")
+    parser.add_argument("--results", type=Path, default=RESULTS_DIR, help="where prefix.json goes")
     args = parser.parse_args(argv)
 
     from benchmarks.local_serve import LocalServe  # noqa: PLC0415
@@ -120,9 +121,11 @@ def write_report(args, results: dict, same: bool, prompt_kv_bytes: int, total_s:
     on, off = results["on"], results["off"]
     summary = {k: {key: v for key, v in r.items() if key != "token_ids"} for k, r in results.items()}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "prefix.json").write_text(json.dumps({"machine": m, "shared_tokens": args.shared_tokens,
-                                                      "suffix_tokens": SUFFIX_TOKENS, "requests": args.requests,
-                                                      "results": summary, "same_tokens": same}, indent=1) + "\n")
+    args.results.mkdir(parents=True, exist_ok=True)
+    raw_path = args.results / "prefix.json"
+    raw_path.write_text(json.dumps({"machine": m, "shared_tokens": args.shared_tokens,
+                                    "suffix_tokens": SUFFIX_TOKENS, "requests": args.requests,
+                                    "results": summary, "same_tokens": same}, indent=1) + "\n")
 
     def row(name: str, r: dict) -> str:
         rate = "—" if r["prefill_hit_rate"] is None else f"{r['prefill_hit_rate']:.1%}"
@@ -134,7 +137,7 @@ def write_report(args, results: dict, same: bool, prompt_kv_bytes: int, total_s:
     lines = [
         "# Automatic prefix caching, P/D over HTTP", "",
         f"`make bench-prefix` (`benchmarks/prefix_cache.py`) on {time.strftime('%Y-%m-%d')}, {total_s:.0f} s. "
-        f"Machine: {m['cpu_model']}, {m['nproc']} cores. Raw figures: `prefix.json`.", "",
+        f"Machine: {m['cpu_model']}, {m['nproc']} cores. Raw figures: [prefix.json]({link(raw_path, args.out)}).", "",
         f"One P/D app (shm transport, configs/cluster.yaml's replica options) per setting; {args.requests} requests "
         f"one at a time after a warm-up, each a shared {args.shared_tokens}-token prefix plus {SUFFIX_TOKENS} "
         f"tokens of its own ({prompt_kv_bytes / 2**20:.2f} MiB of KV per prompt), {MAX_TOKENS} tokens out, greedy.",

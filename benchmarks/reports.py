@@ -11,7 +11,8 @@ import subprocess
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DOCS_DIR = REPO_ROOT / "docs" / "bench"  # where every report and its raw figures go by default
+DOCS_DIR = REPO_ROOT / "docs" / "bench"  # where every report (.md) goes by default
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"  # where raw figures (.json) and plots (.png) go by default
 NOTES_RE = re.compile(r"<!-- notes -->.*?<!-- /notes -->", re.S)
 NOTES_PLACEHOLDER = "<!-- notes -->\n_(no notes yet)_\n<!-- /notes -->"
 
@@ -40,6 +41,11 @@ def commit_text() -> str:
 
     dirty = git("status", "--porcelain", "--untracked-files=no")
     return (git("rev-parse", "--short", "HEAD") or "an unknown commit") + (" (working tree modified)" if dirty else "")
+
+
+def link(target: Path, report_dir: Path) -> str:
+    """`target` as a report in `report_dir` links to it (docs/bench -> ../../benchmarks/results/X)."""
+    return Path(os.path.relpath(target.resolve(), report_dir.resolve())).as_posix()
 
 
 def spread(values: list[float], digits: int = 2) -> str:

@@ -11,7 +11,7 @@ batch 1 and batch 16: output tokens/s, tokens per request-step, drafts proposed 
 (right), or its first half followed by other tokens (half right) — against no prediction.
 Outputs are also checked equal with and without speculation (greedy must not change).
 
-Writes docs/bench/speculative.json and SPECULATIVE.md.
+Writes benchmarks/results/speculative.json and docs/bench/SPECULATIVE.md.
 
     python -m benchmarks.speculative [--new-tokens 96] [--repeats 2]
 """
@@ -26,15 +26,16 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.reports import kept_notes, machine
-from pegaserve.engine.build import load_engine
+from benchmarks.reports import DOCS_DIR, RESULTS_DIR, kept_notes, machine
 from pegaserve.config import SpeculativeConfig
-from pegaserve.engine.engine import EngineConfig
+from pegaserve.engine.build import load_engine
+from pegaserve.engine.core import EngineConfig
 from pegaserve.engine.offline import run_until_idle, token_ids
 from pegaserve.request import EngineRequest, SamplingParams
 from pegaserve.stop import StopPolicy
 
-OUT = Path(__file__).resolve().parents[1] / "docs" / "bench"
+OUT = DOCS_DIR  # SPECULATIVE.md
+RESULTS = RESULTS_DIR  # speculative.json
 MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "qwen3-tiny"
 SPEC = SpeculativeConfig(num_draft_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4)
 
@@ -125,8 +126,9 @@ def main() -> None:
                     row(f"predicted ({kind})", batch, off,
                         run(None, chosen, batch, args.new_tokens, args.repeats, predictions))
     OUT.mkdir(parents=True, exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     m = machine()
-    (OUT / "speculative.json").write_text(json.dumps({"machine": m, "spec": vars(SPEC), "rows": rows}, indent=1))
+    (RESULTS / "speculative.json").write_text(json.dumps({"machine": m, "spec": vars(SPEC), "rows": rows}, indent=1))
     lines = ["# n-gram speculative decoding and predicted outputs, the engine alone", "",
              (f"`python -m benchmarks.speculative`: greedy, {args.new_tokens} tokens per request, EOS ignored, one "
               f"torch thread, {SPEC.num_draft_tokens} drafts per step, n-grams {SPEC.prompt_lookup_min}-"

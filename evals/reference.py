@@ -59,7 +59,7 @@ class Reference:
 
     @torch.no_grad()
     def generate(self, want: Generated, stops: tuple[str, ...]) -> ReferenceGeneration:
-        """Greedy, with docs/CONTRACT.md's stops: an EOS id, or the stop string whose match ends
+        """Greedy, with docs/contract.md's stops: an EOS id, or the stop string whose match ends
         first in the generated text (equal ends: list order), cut where the match starts."""
         step_ids_cpu = torch.tensor([want.token_ids])
         cache = None

@@ -1,1 +1,1 @@
-"""Locust load tests that check every answer against docs/CONTRACT.md (`make loadtest`)."""
+"""Locust load tests that check every answer against docs/contract.md (`make loadtest`)."""

@@ -1,4 +1,4 @@
-"""Locust users that load pegaserve and check every answer against docs/CONTRACT.md (`make loadtest`).
+"""Locust users that load pegaserve and check every answer against docs/contract.md (`make loadtest`).
 
 Each task sends one OpenAI request from the mix in `workload.py`, reads it whole (a stream to its
 `[DONE]`), checks it with `pegaserve.testing.contract`, and reads the request's ledger record

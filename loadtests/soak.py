@@ -2,7 +2,7 @@
 
     python -m loadtests.soak --url http://127.0.0.1:8000 --concurrency 32 --minutes 10
 
-Passes when no request failed (every answer is checked against docs/CONTRACT.md with
+Passes when no request failed (every answer is checked against docs/contract.md with
 `pegaserve.testing.contract`, as the load test does), the ledger counts no invariant violation,
 every sampled answer agrees with its ledger record, and no Serve replica's memory grew by 10% or
 more between the end of the warm-up and the end of the run. Only talks to 127.0.0.1; every loop is
@@ -75,7 +75,7 @@ class ContractBroken(Exception):
 
 
 async def one(client: httpx.AsyncClient, path: str, body: dict) -> Answer:
-    """The answer, read whole (a stream to its `[DONE]`) and checked against docs/CONTRACT.md —
+    """The answer, read whole (a stream to its `[DONE]`) and checked against docs/contract.md —
     raises on any transport or HTTP failure and on any broken rule."""
     chat = path == CHAT_PATH
     if body["stream"]:

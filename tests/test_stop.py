@@ -1,4 +1,4 @@
-"""docs/CONTRACT.md token-level rules 1-7, one test each, on the policy and the engine's request."""
+"""docs/contract.md token-level rules 1-7, one test each, on the policy and the engine's request."""
 
 from pegaserve.request import EngineRequest, RequestState, SampledToken, SamplingParams
 from pegaserve.stop import Eos, Length, StopPolicy, Token, finish_reason, stop_reason

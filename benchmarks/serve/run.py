@@ -8,7 +8,7 @@ transformers runs batch = concurrency in this process. Each level also records w
 
 By default Ray and Serve are started in this process on 127.0.0.1 and both apps are deployed one
 after the other; `--url` benchmarks an already running server instead (e.g. `make serve`).
-Writes docs/bench/results.json, RESULTS.md, throughput.png and latency.png.
+Writes docs/bench/RESULTS.md, and benchmarks/results/results.json, throughput.png and latency.png.
 
     python -m benchmarks.serve [--url http://127.0.0.1:8000] [--systems pd,colocated,transformers]
 """
@@ -28,7 +28,7 @@ from typing import TypeVar
 from urllib.parse import urlsplit
 
 from benchmarks.cpu import CpuMeter, CpuUsage, QuietGate
-from benchmarks.reports import DOCS_DIR
+from benchmarks.reports import DOCS_DIR, RESULTS_DIR
 from benchmarks.serve.client import LevelRun, read_ledger, run_level, warm_up
 from benchmarks.serve.stats import LevelSummary, Slo, summarize
 
@@ -211,7 +211,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="torch threads per engine replica (default: Ray's 1 for 0.5 CPU, as `make serve`)")
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="the apps' stream_interval: tokens per decode->ingress message and per SSE chunk")
-    parser.add_argument("--out", type=Path, default=DOCS_DIR, help="where results.json, RESULTS.md and plots go")
+    parser.add_argument("--out", type=Path, default=DOCS_DIR, help="where RESULTS.md goes")
+    parser.add_argument("--results", type=Path, default=RESULTS_DIR, help="where results.json and the plots go")
     args = parser.parse_args(argv)
 
     from benchmarks.engine import make_prompts  # noqa: PLC0415
@@ -246,6 +247,7 @@ def main(argv: list[str] | None = None) -> None:
 
     total_s = time.perf_counter() - started
     args.out.mkdir(parents=True, exist_ok=True)
+    args.results.mkdir(parents=True, exist_ok=True)
     raw = {
         "settings": {"levels": levels, "max_tokens": MAX_TOKENS, "num_requests": {c: num_requests(c) for c in levels},
                      "level_budget_s": args.level_budget_s, "model": MODEL, "url": args.url,
@@ -254,8 +256,8 @@ def main(argv: list[str] | None = None) -> None:
         "engine_alone": engine_alone,
         "systems": [dataclasses.asdict(r) for r in results],
     }  # fmt: skip
-    (args.out / "results.json").write_text(json.dumps(raw, indent=1, default=str) + "\n")
-    write_report(raw, args.out)
+    (args.results / "results.json").write_text(json.dumps(raw, indent=1, default=str) + "\n")
+    write_report(raw, args.out, args.results)
     print(f"bench done in {total_s:.0f}s: {args.out / 'RESULTS.md'}", flush=True)
 
 

@@ -1,4 +1,4 @@
-"""The frontend's per-choice rules at unit level (docs/CONTRACT.md 1, 9-11, 16, 18), on the real
+"""The frontend's per-choice rules at unit level (docs/contract.md 1, 9-11, 16, 18), on the real
 tokenizer; rule 18 on the real engine's outputs (the scripted double), one token a step or several."""
 
 import pytest

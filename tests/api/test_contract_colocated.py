@@ -1,4 +1,4 @@
-"""docs/CONTRACT.md end to end on the standalone frontend: every case streaming and not, via the
+"""docs/contract.md end to end on the standalone frontend: every case streaming and not, via the
 openai client; validation; the trigger emitted once with its finish (rule 18), also inside the
 multi-token steps of speculative decoding; the ledger."""
 

@@ -1,6 +1,6 @@
 """n-gram speculation: greedy output identical to no speculation, drafts verified in one step,
 rejected positions rolled back, and the stop rules applied one token at a time inside an accepted
-run (docs/CONTRACT.md rule 1: nothing after the first terminal token is kept)."""
+run (docs/contract.md rule 1: nothing after the first terminal token is kept)."""
 
 import pytest
 

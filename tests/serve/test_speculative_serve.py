@@ -1,7 +1,7 @@
 """Speculative decoding through the HTTP API, P/D and colocated: with a scripted model whose output
 continues its prompt's loop (so drafts are accepted in long runs), every answer — text, token ids,
 logprobs, finish, stop_reason, usage — equals the same request without speculation, streaming and
-not, with stop ids, EOS, stop strings and max_tokens landing inside accepted runs (docs/CONTRACT.md
+not, with stop ids, EOS, stop strings and max_tokens landing inside accepted runs (docs/contract.md
 rules 1, 9, 10, 19)."""
 
 from __future__ import annotations
