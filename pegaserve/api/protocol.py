@@ -1,7 +1,7 @@
 """OpenAI request bodies as pydantic models (strict: a string where an int belongs is a 400).
 
 Every field is one of three kinds, and tests/api/test_fields.py holds each to its kind:
-implemented (README, "The API"), accepted with no effect by definition (`user`, `metadata`,
+implemented (docs/api.md), accepted with no effect by definition (`user`, `metadata`,
 `parallel_tool_calls` without tools...), or in `REFUSED`: accepted only at its default, otherwise a
 400 naming it. An explicit `null` means the default for every field. Unknown fields are ignored, as
 vLLM and OpenAI do. Numbers must be finite (NaN and infinities are a 400).
@@ -66,7 +66,7 @@ class SamplingKnobs(Body):
 
 
 class SamplingFields(SamplingKnobs):
-    """The parameters both endpoints share (docs/CONTRACT.md, request parameters, and README)."""
+    """The parameters both endpoints share (docs/contract.md, request parameters, and docs/api.md)."""
 
     max_tokens: StrictInt | None = None
     include_stop_str_in_output: StrictBool = False
