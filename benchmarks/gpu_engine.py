@@ -177,7 +177,8 @@ def _sampling_cost_line(batch: int, vocab_size: int, device: str) -> str:
     runner does), greedy and at temperature 1, against the CPU route (logits to the CPU, `sample()`)."""
     try:
         from pegaserve.sample.on_device import sample_on_device
-        from pegaserve.sample.sampler import SamplingRow, sample
+        from pegaserve.sample.processing import SamplingRow
+        from pegaserve.sample.sampler import sample
 
         logits = torch.randn(batch, vocab_size, device=device)
         greedy = [SamplingRow(SamplingParams(temperature=0.0), 0)] * batch

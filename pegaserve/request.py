@@ -1,7 +1,7 @@
 """The engine's vocabulary: what a request asks for, its mutable state, and what a step emits.
 
 `RequestState` is owned by the engine's scheduler; only its methods change it. Everything that
-crosses a boundary (`EngineRequest` in, `SampledToken`/`StepOutput` out, `Handoff` between roles)
+crosses a boundary (`EngineRequest` in, `SampledToken`/`TokenScore`/`StepOutput` out, `Handoff` between roles)
 is frozen.
 """
 
@@ -17,7 +17,6 @@ from pegaserve.stop import Length, StopCause, StopPolicy
 
 if TYPE_CHECKING:
     from pegaserve.sample.grammar import Constraint, GrammarSpec
-    from pegaserve.sample.sampler import TokenScore
 
 
 @dataclass(frozen=True)
@@ -97,7 +96,17 @@ class EngineRequest:
 @dataclass(frozen=True)
 class SampledToken:
     token_id: int
-    logprob: float | None  # None where not wanted (sampler.SamplingRow.wants_logprob): not computed
+    logprob: float | None  # None where not wanted (processing.SamplingRow.wants_logprob): not computed
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first
+
+
+@dataclass(frozen=True)
+class TokenScore:
+    """A given token under one row of logits (prompt logprobs, echo)."""
+
+    token_id: int
+    logprob: float  # the raw log-softmax
+    rank: int  # 1 + the number of tokens with a strictly greater logit
     top_logprobs: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first
 
 

@@ -11,7 +11,7 @@ use_interpreter_without_cuda()
 
 import pytest  # noqa: E402
 
-from pegaserve.cpu import kernels, lm_head  # noqa: E402
+from pegaserve.cpu import kernels  # noqa: E402
 from pegaserve.models.tiny import build_default_model  # noqa: E402
 
 
@@ -21,7 +21,7 @@ def tiny_model_dir():
 
 
 def _forget_loaded_kernels() -> None:
-    for loader in (kernels.vocab_passes, kernels.paged_attention, lm_head._load_kernel):
+    for loader in (kernels.vocab_passes, kernels.paged_attention, kernels.lm_head):
         loader.cache_clear()
 
 

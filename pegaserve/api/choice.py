@@ -1,4 +1,4 @@
-"""One choice's string-level and text rules (docs/CONTRACT.md 8-18): the frontend's obligations.
+"""One choice's string-level and text rules (docs/contract.md 8-18): the frontend's obligations.
 
 A `ChoiceStream` turns one choice's engine messages into client-facing deltas: it detokenizes
 incrementally, finds stop strings (earliest end wins), cuts text and tokens at the match, holds back
@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pegaserve.request import SampledToken, StepOutput, add_counts
-from pegaserve.sample.sampler import TokenScore
+from pegaserve.request import SampledToken, StepOutput, TokenScore, add_counts
 from pegaserve.stop import Eos, StopCause, String, Token
 from pegaserve.tokenizer import Detokenizer
 

@@ -105,21 +105,44 @@ def load(name: str, label: str, fallback: str, declare: Callable[[ctypes.CDLL], 
     return library
 
 
+def _declare_void(library: ctypes.CDLL, signatures: tuple[tuple[str, list], ...]) -> None:
+    """Types each (function, argument types) of `signatures` in `library` as returning nothing."""
+    for function, argtypes in signatures:
+        getattr(library, function).restype = None
+        getattr(library, function).argtypes = argtypes
+
+
 @functools.cache
 def vocab_passes() -> ctypes.CDLL | None:
     """`csrc/vocab_passes.cpp`: the sampler's passes over a row of logits."""
 
     def declare(library: ctypes.CDLL) -> None:
         i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-        for function, argtypes in (
+        _declare_void(library, (
             ("pegaserve_max_argmax", [ptr, i64, i64, ptr, i64, ptr, ptr]),
             ("pegaserve_cell_masses", [ptr, i64, i64, ptr, i64, ptr, ptr, ptr, f32, i64, ptr]),
             ("pegaserve_top_p_bound", [ptr, i64, i64, ptr, i64, ptr, ptr, ptr, f32, ptr, i64, ptr]),
-        ):
-            getattr(library, function).restype = None
-            getattr(library, function).argtypes = argtypes
+        ))  # fmt: skip
 
     return load("vocab_passes", "Sampler passes", "torch's ops", declare)
+
+
+@functools.cache
+def lm_head() -> ctypes.CDLL | None:
+    """`csrc/lm_head.cpp`: the LM head and its screened reads (`lm_head.CpuLogits`, `lm_head.ScreenedHead`)."""
+
+    def declare(library: ctypes.CDLL) -> None:
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        library.pegaserve_lm_head_group_cols.restype = ctypes.c_int
+        library.pegaserve_lm_head_group_cols.argtypes = []
+        _declare_void(library, (
+            ("pegaserve_lm_head", [ptr, i64, i64, ptr, i64, ptr, i64]),
+            ("pegaserve_lm_head_argmax", [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i64]),
+            ("pegaserve_lm_head_upper", [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_float, i64, ptr, ptr, ptr, i64]),
+            ("pegaserve_lm_head_logits_at", [ptr, i64, i64, ptr, ptr, ptr]),
+        ))  # fmt: skip
+
+    return load("lm_head", "LM head", "oneDNN's linear", declare)
 
 
 @functools.cache

@@ -11,7 +11,7 @@ prefetched, with a tile of 8 rows x 48 vocab entries in registers. On the dev ma
 the batch-16 decode step of the default model ~14.5 ms instead of ~19. Its dot products are
 bit-identical to oneDNN's on these machines for hidden sizes up to 1024.
 
-The kernel is built and loaded as the engine's other CPU kernels are (`kernels.py`). Where
+The kernel is built and loaded as the engine's other CPU kernels are (`kernels.lm_head`). Where
 the CPU has neither AVX-512 nor AVX2 with FMA and F16C, or the build fails (logged once), the head falls
 back to oneDNN's prepacked linear, and to a plain `linear` without oneDNN.
 
@@ -38,7 +38,7 @@ its distance to the fp32 logit `CpuLogits` computes. Its greedy argmax (`pegaser
 screens the vocab with the bounds, then computes the fp32 logits of the few entries the screen cannot
 rule out (~1 per row on the default model), each the same float as `CpuLogits`' (the same FMA chain);
 its upper bounds (`pegaserve_lm_head_upper`) let the sampler draw by rejection with the same law as
-from the full logits (sampling_screened.py). For row x and entry j, with h_j the fp16 rounding of
+from the full logits (pegaserve/sample/screened.py). For row x and entry j, with h_j the fp16 rounding of
 weight row w_j, L_j the fp32 logit and A_j the one from h_j (both FMA chains over K, at most 2K
 roundings of unit u = 2^-24 on any path):
 
@@ -54,9 +54,6 @@ more than ~256 candidates) falls back to its full logits.
 """
 
 from __future__ import annotations
-
-import ctypes
-import functools
 
 import torch
 import torch.nn.functional as F
@@ -89,7 +86,7 @@ class CpuLogits:
             raise ValueError(f"CpuLogits needs a 2-D fp32 CPU weight [N, K > 0], got {found}")
         self.weight = weight
         self.vocab_size, self.hidden_size = weight.shape  # N, K
-        self._kernel = _load_kernel() if allow_kernel else None
+        self._kernel = kernels.lm_head() if allow_kernel else None
         if self._kernel is not None:
             self._packed = _pack(weight.detach(), self._kernel.pegaserve_lm_head_group_cols())
         elif _HAS_ONEDNN_LINEAR:
@@ -141,7 +138,7 @@ class ScreenedHead:
         group_cols = self._kernel.pegaserve_lm_head_group_cols()
         self._packed = _pack(half, group_cols)
         self._bounds = torch.zeros(self._packed.shape[0] * group_cols, dtype=torch.float32)
-        self._bounds[: weight.shape[0]] = _screen_bounds(weight, half)
+        self._bounds[: weight.shape[0]] = screen_bounds(weight, half)
         self.mean_bound = float(self._bounds[: weight.shape[0]].double().mean())  # times |x|: a row's typical slack
 
     @classmethod
@@ -216,7 +213,7 @@ class ScreenedHead:
 
 def has_kernel() -> bool:
     """Whether `CpuLogits` runs the kernel here (rather than its oneDNN fallback)."""
-    return _load_kernel() is not None
+    return kernels.lm_head() is not None
 
 
 def lm_head_reference(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -224,7 +221,7 @@ def lm_head_reference(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tenso
     return hidden.double() @ weight.double().T
 
 
-def _screen_bounds(weight: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+def screen_bounds(weight: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
     """Each entry's b_j (the module docstring), in float64, then rounded up to fp32."""
     hidden_size = weight.shape[1]
     two_k_u = 2 * hidden_size * 2.0**-24
@@ -251,37 +248,3 @@ def _pack(weight: torch.Tensor, group_cols: int) -> torch.Tensor:
         packed[num_full, :, :tail].copy_(weight[num_full * group_cols :].T)
     assert packed.data_ptr() % _ALIGNMENT_BYTES == 0, "torch's CPU allocator aligns to 64 bytes"
     return packed
-
-
-@functools.cache
-def _load_kernel() -> ctypes.CDLL | None:
-    """The compiled kernel (`kernels`), loaded once per process; None where it cannot run."""
-
-    def declare(library: ctypes.CDLL) -> None:
-        library.pegaserve_lm_head_group_cols.restype = ctypes.c_int
-        library.pegaserve_lm_head_group_cols.argtypes = []
-        library.pegaserve_lm_head.restype = None
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        library.pegaserve_lm_head.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64]
-        library.pegaserve_lm_head_argmax.restype = None
-        library.pegaserve_lm_head_argmax.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i64]
-        library.pegaserve_lm_head_upper.restype = None
-        library.pegaserve_lm_head_upper.argtypes = [
-            ptr,
-            i64,
-            i64,
-            ptr,
-            ptr,
-            i64,
-            ptr,
-            ctypes.c_float,
-            i64,
-            ptr,
-            ptr,
-            ptr,
-            i64,
-        ]
-        library.pegaserve_lm_head_logits_at.restype = None
-        library.pegaserve_lm_head_logits_at.argtypes = [ptr, i64, i64, ptr, ptr, ptr]
-
-    return kernels.load("lm_head", "LM head", "oneDNN's linear", declare)

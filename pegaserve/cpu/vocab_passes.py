@@ -1,5 +1,5 @@
 """The sampler's passes over rows of logits through the kernel `csrc/vocab_passes.cpp`:
-one sweep per row each, where the torch versions in `sampling_passes.py` and `sampling_filters.py`
+one sweep per row each, where the torch versions in `pegaserve/sample/passes.py` and `filters.py`
 chain several ops that each stream the row again (~4 ms against ~1 for a batch of 16 rows of 152k).
 
 Each function answers None where the kernel cannot run (neither AVX-512 nor AVX2, no compiler): the sampler then

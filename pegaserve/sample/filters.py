@@ -7,30 +7,42 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
 from pegaserve.cpu import vocab_passes
 from pegaserve.request import SamplingParams
-from pegaserve.sample.passes import _CELL, _FLOOR, _LOG2_E, _TOP_P_BUCKETS, _bucketed, _select, _take, _weights
-
-if TYPE_CHECKING:
-    from pegaserve.sample.sampler import SamplingRow
+from pegaserve.sample.passes import (
+    CELL,
+    FLOOR,
+    LOG2_E,
+    TOP_P_BUCKETS,
+    bucketed_exponents,
+    exp_weights,
+    select_rows,
+    take_values,
+)
+from pegaserve.sample.processing import SamplingRow
 
 _MAX_TEMPERATURE = 1e30  # keeps logits / temperature finite, and -inf at -inf
 
 
-def _scales(rows: Sequence[SamplingRow]) -> torch.Tensor:
+def temperature_scales(rows: Sequence[SamplingRow]) -> torch.Tensor:
     """`[n, 1]`: what multiplies `logit - max` inside exp2(): log2(e) / temperature."""
-    return torch.tensor([[_scale(row.params)] for row in rows])
+    return torch.tensor([[temperature_scale(row.params)] for row in rows])
 
 
-def _scale(params: SamplingParams) -> float:
-    return _LOG2_E / min(params.temperature, _MAX_TEMPERATURE)
+def temperature_scale(params: SamplingParams) -> float:
+    """One row's `temperature_scales`."""
+    return LOG2_E / min(params.temperature, _MAX_TEMPERATURE)
 
 
-def _lower_bounds(
+def has_filters(params: SamplingParams, vocab: int) -> bool:
+    """Whether top-k, top-p or min_p may drop tokens of a `vocab`-token row."""
+    return params.top_p < 1.0 or 0 < params.top_k < vocab or params.min_p > 0.0
+
+
+def lower_bounds(
     source: torch.Tensor,
     row_ids: torch.Tensor | None,
     rows: Sequence[SamplingRow],
@@ -46,14 +58,14 @@ def _lower_bounds(
     if top_k:
         picked = torch.tensor(top_k)
         ks = [rows[i].params.top_k for i in top_k]
-        lower[picked] = _kth_largest(source, _select(row_ids, picked, source.shape[0]), ks)
+        lower[picked] = _kth_largest(source, select_rows(row_ids, picked, source.shape[0]), ks)
     finite = row_max[:, 0].isfinite().tolist()  # a row without a finite max falls back to its argmax
     top_p = [i for i, row in enumerate(rows) if row.params.top_p < 1.0 and finite[i]]
     if top_p:
         picked = torch.tensor(top_p)
         ps = [rows[i].params.top_p for i in top_p]
-        selected = _select(row_ids, picked, source.shape[0])
-        lower[picked] = _top_p_bound(source, selected, shift[picked], scale[picked], lower[picked], ps)
+        selected = select_rows(row_ids, picked, source.shape[0])
+        lower[picked] = top_p_bound(source, selected, shift[picked], scale[picked], lower[picked], ps)
     ratios = [_min_p_log_ratio(row.params) for row in rows]
     if any(r > float("-inf") for r in ratios):
         lower = torch.maximum(lower, shift + torch.tensor(ratios)[:, None])
@@ -62,29 +74,29 @@ def _lower_bounds(
 
 def _kth_largest(source: torch.Tensor, row_ids: torch.Tensor | None, ks: list[int]) -> torch.Tensor:
     """`[m, 1]`: each row's `ks[i]`-th largest logit."""
-    values, _ = _best(source, row_ids, max(ks))
+    values, _ = top_logits(source, row_ids, max(ks))
     return values.gather(1, torch.tensor(ks)[:, None] - 1)
 
 
-def _best(source: torch.Tensor, row_ids: torch.Tensor | None, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def top_logits(source: torch.Tensor, row_ids: torch.Tensor | None, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The `k` best logits of the rows `row_ids` of `source` (None: all) and their token ids, best
     first (`[m, k]` each). They lie in the k cells with the best maxima (each of those holds a value
     at least as good as any outside them), so a small k looks in those cells (and the short last one)
     only."""
-    (num_source_rows, vocab), num_full = source.shape, source.shape[1] // _CELL
+    (num_source_rows, vocab), num_full = source.shape, source.shape[1] // CELL
     if 2 * k > num_full:
         return (source if row_ids is None else source.index_select(0, row_ids)).topk(min(k, vocab), dim=-1)
-    cells = source[:, : num_full * _CELL].view(num_source_rows, num_full, _CELL)
+    cells = source[:, : num_full * CELL].view(num_source_rows, num_full, CELL)
     rows = torch.arange(num_source_rows) if row_ids is None else row_ids
     best_cells = cells.amax(-1)[rows].topk(k, dim=-1).indices  # [m, k]
-    candidates = torch.cat([cells[rows[:, None], best_cells].flatten(1), source[rows, num_full * _CELL :]], dim=1)
+    candidates = torch.cat([cells[rows[:, None], best_cells].flatten(1), source[rows, num_full * CELL :]], dim=1)
     values, positions = candidates.topk(k, dim=-1)
-    in_cells = positions < k * _CELL
-    cell_ids = best_cells.gather(1, (positions // _CELL).clamp_(max=k - 1)) * _CELL + positions % _CELL
-    return values, torch.where(in_cells, cell_ids, positions - k * _CELL + num_full * _CELL)
+    in_cells = positions < k * CELL
+    cell_ids = best_cells.gather(1, (positions // CELL).clamp_(max=k - 1)) * CELL + positions % CELL
+    return values, torch.where(in_cells, cell_ids, positions - k * CELL + num_full * CELL)
 
 
-def _top_p_bound(
+def top_p_bound(
     source: torch.Tensor,
     row_ids: torch.Tensor | None,
     shift: torch.Tensor,
@@ -98,14 +110,14 @@ def _top_p_bound(
     tokens are sorted."""
     num_rows = shift.shape[0]
     bounded = lower if bool((lower > float("-inf")).any()) else None  # top-k came first
-    found = vocab_passes.top_p_bound(source, row_ids, shift, scale, bounded, top_p, _FLOOR, _TOP_P_BUCKETS)
+    found = vocab_passes.top_p_bound(source, row_ids, shift, scale, bounded, top_p, FLOOR, TOP_P_BUCKETS)
     if found is not None:
         return torch.maximum(found, lower)
     boundary, before, target = _top_p_bucket(source, row_ids, shift, scale, bounded, top_p)
     r, values = _bucket_tokens(source, row_ids, shift, scale, bounded, boundary)
     if not len(values):
         return lower
-    weights = _weights(values, shift[r, 0], scale[r, 0])
+    weights = exp_weights(values, shift[r, 0], scale[r, 0])
     counts = torch.bincount(r, minlength=num_rows)
     starts = counts.cumsum(0) - counts
     running = weights.cumsum(0)
@@ -126,14 +138,14 @@ def _top_p_bucket(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`[m, 1]` each: the bucket where the mass reaches p (-1 when that is the last one, which holds
     everything down to the floor: then all the row has is kept), the mass before it, and p's mass."""
-    mass = torch.zeros(shift.shape[0], _TOP_P_BUCKETS)
-    for _, exponents, buckets in _bucketed(source, row_ids, shift, scale, lower):
-        mass.scatter_add_(1, buckets, exponents.clamp_(min=_FLOOR).exp2_())
+    mass = torch.zeros(shift.shape[0], TOP_P_BUCKETS)
+    for _, exponents, buckets in bucketed_exponents(source, row_ids, shift, scale, lower):
+        mass.scatter_add_(1, buckets, exponents.clamp_(min=FLOOR).exp2_())
     cumulative = mass.double().cumsum(-1)  # bucket 0 holds the best tokens
     target = torch.tensor(top_p, dtype=torch.float64)[:, None] * cumulative[:, -1:]
-    boundary = torch.searchsorted(cumulative, target).clamp_(max=_TOP_P_BUCKETS - 1)
+    boundary = torch.searchsorted(cumulative, target).clamp_(max=TOP_P_BUCKETS - 1)
     before = torch.where(boundary > 0, cumulative.gather(1, (boundary - 1).clamp(min=0)), 0.0)
-    return boundary.masked_fill_(boundary == _TOP_P_BUCKETS - 1, -1), before, target
+    return boundary.masked_fill_(boundary == TOP_P_BUCKETS - 1, -1), before, target
 
 
 def _bucket_tokens(
@@ -147,12 +159,12 @@ def _bucket_tokens(
     """The tokens in each row's `bucket` (`[m, 1]`), as their rows and logits, grouped by row and
     best first within one."""
     found_rows, found_columns = [], []
-    for first, _, buckets in _bucketed(source, row_ids, shift, scale, lower):
+    for first, _, buckets in bucketed_exponents(source, row_ids, shift, scale, lower):
         r, c = (buckets == bucket).nonzero(as_tuple=True)
         found_rows.append(r)
         found_columns.append(c + first)
     r, c = torch.cat(found_rows), torch.cat(found_columns)
-    values = _take(source, row_ids, r, c)
+    values = take_values(source, row_ids, r, c)
     order = values.argsort(descending=True, stable=True)
     order = order[r[order].argsort(stable=True)]
     return r[order], values[order]

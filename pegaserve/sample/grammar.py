@@ -42,7 +42,7 @@ class GrammarSpec:
         import xgrammar  # noqa: PLC0415 - only structured outputs need it
 
         try:
-            _grammar(xgrammar, self)
+            as_xgrammar(xgrammar, self)
         except (RuntimeError, ValueError) as exc:
             message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ValueError(re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", message)) from None
@@ -53,7 +53,9 @@ def choice_regex(choices: list[str]) -> str:
     return "(" + "|".join(re.escape(c) for c in choices) + ")"
 
 
-def _grammar(xgrammar, grammar: GrammarSpec):
+def as_xgrammar(xgrammar, grammar: GrammarSpec):
+    """`grammar` as xgrammar's `Grammar` (`xgrammar`: the module, imported by the caller, as only
+    structured outputs need it); raises ValueError for an unknown kind."""
     if grammar.kind in ("json_schema", "json_object"):  # json_object: an object, as OpenAI's JSON mode gives
         return xgrammar.Grammar.from_json_schema(grammar.text if grammar.kind == "json_schema" else '{"type": "object"}',
                                                  any_whitespace=grammar.any_whitespace)
@@ -103,7 +105,8 @@ class Grammars:
             with self._lock:
                 compiled = self._compiled.get(grammar)
                 if compiled is None:
-                    compiled = self._compiled[grammar] = self._compiler_of(xgrammar).compile_grammar(_grammar(xgrammar, grammar))
+                    compiler = self._compiler_of(xgrammar)
+                    compiled = self._compiled[grammar] = compiler.compile_grammar(as_xgrammar(xgrammar, grammar))
         except Exception:  # the ingress read it already (GrammarSpec.check): never the engine loop's end
             log.exception("could not compile a request's grammar; the request may only end")
             return Constraint(None, config.vocab_size, config.eos_token_ids)

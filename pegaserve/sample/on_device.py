@@ -9,7 +9,7 @@ send), are taken on the device and only their tokens and logprobs cross; the row
 min_p filter cross alone, through `sample()`.
 
 A plain row is what `sample()` would make of it: the argmax (the first best) when greedy, else an
-inverse-CDF draw at its temperature with the row's hashed uniform (sampling_draw._uniform: a seeded
+inverse-CDF draw at its temperature with the row's hashed uniform (draw.uniform: a seeded
 row's token depends on nothing else in the batch), tokens more than 80 nats below the best weighing
 nothing; logprobs are the raw log-softmax. The draw reads one float64 cumulative sum of the row's
 weights where `sample()` reads float32 cell masses first, so a seed picks the same token on both but
@@ -26,11 +26,12 @@ from collections.abc import Sequence
 
 import torch
 
-from pegaserve.request import SampledToken
-from pegaserve.sample.draw import _search, _uniform
-from pegaserve.sample.filters import _scale
-from pegaserve.sample.passes import _finite, _weights
-from pegaserve.sample.sampler import SamplingRow, TokenScore, _filters, alternatives, sample, score_tokens
+from pegaserve.request import SampledToken, TokenScore
+from pegaserve.sample.draw import search_cumulative, uniform
+from pegaserve.sample.filters import has_filters, temperature_scale
+from pegaserve.sample.passes import exp_weights, finite_or_zero
+from pegaserve.sample.processing import SamplingRow
+from pegaserve.sample.sampler import alternatives, sample, score_tokens
 
 
 def sample_on_device(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
@@ -77,7 +78,7 @@ def _plain(row: SamplingRow, vocab: int) -> bool:
     params = row.params
     if row.edited:
         return False
-    return params.greedy or not _filters(params, vocab)
+    return params.greedy or not has_filters(params, vocab)
 
 
 def _rows(logits: torch.Tensor, picked: list[int]) -> torch.Tensor:
@@ -103,7 +104,7 @@ def _draw(source: torch.Tensor, argmax: torch.Tensor, rows: Sequence[SamplingRow
     """Each sampled row's inverse-CDF draw at its temperature; a greedy row, or one with no finite
     max or no mass, keeps its argmax. Every row is weighed, so no row is gathered."""
     per_row = torch.tensor(
-        [(1.0, 0.0, 0.0) if row.params.greedy else (_scale(row.params), _uniform(row), 1.0) for row in rows],
+        [(1.0, 0.0, 0.0) if row.params.greedy else (temperature_scale(row.params), uniform(row), 1.0) for row in rows],
         dtype=torch.float64,
     )
     # One copy for the whole step, from pinned memory: one from pageable memory would first wait for
@@ -112,8 +113,8 @@ def _draw(source: torch.Tensor, argmax: torch.Tensor, rows: Sequence[SamplingRow
         per_row = per_row.pin_memory()
     per_row = per_row.to(source.device, non_blocking=True)  # [n, 3]: scale, uniform, sampled
     row_max = source.gather(1, argmax[:, None])  # [n, 1]
-    cumulative = _weights(source, _finite(row_max), per_row[:, :1].float()).cumsum_(-1)  # [n, vocab], float64
-    token_ids = _search(cumulative, per_row[:, 1:2] * cumulative[:, -1:])[:, 0]
+    cumulative = exp_weights(source, finite_or_zero(row_max), per_row[:, :1].float()).cumsum_(-1)  # [n, vocab], float64
+    token_ids = search_cumulative(cumulative, per_row[:, 1:2] * cumulative[:, -1:])[:, 0]
     drawn = (per_row[:, 2] > 0) & row_max[:, 0].isfinite() & (cumulative[:, -1] > 0)
     return torch.where(drawn, token_ids, argmax)
 

@@ -1,6 +1,6 @@
 """The sampler's passes over the vocabulary, and the row helpers that its filters and its draw share.
 
-Each pass runs the kernel (vocab_passes.py) where it can, else torch ops that compute the same
+Each pass runs the kernel (pegaserve/cpu/vocab_passes.py) where it can, else torch ops that compute the same
 quantities, the wide ones a column chunk at a time through one small scratch. Rows are `row_ids` of `source`
 (None: all of them, in order); per-row arguments are `[n, 1]`.
 """
@@ -14,11 +14,11 @@ import torch
 from pegaserve.cpu import vocab_passes
 
 _ARGMAX_CHUNK = 1024
-_CELL = 1024  # tokens per cell of the inverse CDF's first level
-_PASS_COLUMNS = 16 * _CELL  # columns per exp-sum pass through one small scratch
-_LOG2_E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)); torch's CPU exp2 is ~4x faster than exp
-_FLOOR = -80.0 * _LOG2_E  # exp() of under -80 is < 2e-35: weightless, and kept out of slow denormals
-_TOP_P_BUCKETS = 4096  # histogram slices of the exponent range; top-p sorts one slice's tokens
+CELL = 1024  # tokens per cell of the inverse CDF's first level
+_PASS_COLUMNS = 16 * CELL  # columns per exp-sum pass through one small scratch
+LOG2_E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)); torch's CPU exp2 is ~4x faster than exp
+FLOOR = -80.0 * LOG2_E  # exp() of under -80 is < 2e-35: weightless, and kept out of slow denormals
+TOP_P_BUCKETS = 4096  # histogram slices of the exponent range; top-p sorts one slice's tokens
 
 
 def max_argmax_rows(logits: torch.Tensor, row_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,34 +62,34 @@ def log_normalizers(logits: torch.Tensor, max_logits: torch.Tensor | None = None
     `max_logits` (`[rows, 1]`), when the caller knows each row's max, saves a pass."""
     if max_logits is None:
         max_logits = logits.amax(-1, keepdim=True)
-    return _normalizers(_cell_masses(logits, _finite(max_logits)), max_logits)
+    return normalizers_from_masses(cell_masses(logits, finite_or_zero(max_logits)), max_logits)
 
 
-def _normalizers(masses: torch.Tensor, max_logits: torch.Tensor) -> torch.Tensor:
+def normalizers_from_masses(masses: torch.Tensor, max_logits: torch.Tensor) -> torch.Tensor:
     """From temperature-1 cell masses: sum(exp(logit - max)), so its log plus the max."""
     sums = masses.double().sum(-1).log_().to(masses.dtype)
-    normalizers = sums.add_(_finite(max_logits)[:, 0])
+    normalizers = sums.add_(finite_or_zero(max_logits)[:, 0])
     return normalizers.masked_fill_(max_logits[:, 0] == float("-inf"), float("-inf"))  # all masked
 
 
-def _cell_masses(
+def cell_masses(
     source: torch.Tensor,
     shift: torch.Tensor,
     scale: torch.Tensor | None = None,
     row_ids: torch.Tensor | None = None,
     lower: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`[rows, num_cells]`: each `_CELL`-column cell's sum of `exp2(max((logit - shift) * scale,
+    """`[rows, num_cells]`: each `CELL`-column cell's sum of `exp2(max((logit - shift) * scale,
     FLOOR))` over the rows `row_ids` of `source` (None: all), with `shift` finite, `scale`
     log2(e) / temperature (None: temperature 1), logits below `lower` at the floor (all `[rows, 1]`).
     Row-wise reductions only, so a row's masses are the same bits whatever else is in the batch."""
     found = vocab_passes.cell_masses(
-        source, shift, torch.full_like(shift, _LOG2_E) if scale is None else scale, row_ids, lower, _FLOOR, _CELL
+        source, shift, torch.full_like(shift, LOG2_E) if scale is None else scale, row_ids, lower, FLOOR, CELL
     )
     if found is not None:
         return found
     num_rows, vocab = source.shape[0] if row_ids is None else len(row_ids), source.shape[1]
-    masses = source.new_empty(num_rows, -(-vocab // _CELL))
+    masses = source.new_empty(num_rows, -(-vocab // CELL))
     # A column chunk at a time through one small scratch: a vocabulary-sized temporary would be
     # handed back to the OS on free and cost thousands of page faults on every step.
     scratch = source.new_empty(num_rows, min(_PASS_COLUMNS, vocab))
@@ -97,20 +97,20 @@ def _cell_masses(
     lower = None if lower is None else _finite_bound(lower)
     for first, part in _column_chunks(source, row_ids, _gather_scratch(source, row_ids)):
         width = part.shape[1]
-        exponents = torch.sub(part, shift, out=scratch[:, :width]).mul_(_LOG2_E if scale is None else scale)
+        exponents = torch.sub(part, shift, out=scratch[:, :width]).mul_(LOG2_E if scale is None else scale)
         if lower is not None:
             _drop_below(exponents, part, lower, spare[:, :width])
         # The floor keeps exp2() out of fp32's denormals, which cost x86 a microcode assist each.
-        weights = exponents.clamp_(min=_FLOOR).exp2_()
-        cell, num_full = first // _CELL, width // _CELL
+        weights = exponents.clamp_(min=FLOOR).exp2_()
+        cell, num_full = first // CELL, width // CELL
         if num_full:
-            masses[:, cell : cell + num_full] = weights[:, : num_full * _CELL].view(num_rows, num_full, _CELL).sum(-1)
-        if width % _CELL:
-            masses[:, cell + num_full] = weights[:, num_full * _CELL :].sum(-1)
+            masses[:, cell : cell + num_full] = weights[:, : num_full * CELL].view(num_rows, num_full, CELL).sum(-1)
+        if width % CELL:
+            masses[:, cell + num_full] = weights[:, num_full * CELL :].sum(-1)
     return masses
 
 
-def _bucketed(
+def bucketed_exponents(
     source: torch.Tensor,
     row_ids: torch.Tensor | None,
     shift: torch.Tensor,
@@ -118,7 +118,7 @@ def _bucketed(
     lower: torch.Tensor | None,
 ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     """Per column chunk: its first column, each logit's exponent and its bucket: one of
-    `_TOP_P_BUCKETS` equal slices of the exponent from 0 down to the floor, so monotone in the
+    `TOP_P_BUCKETS` equal slices of the exponent from 0 down to the floor, so monotone in the
     logit; logits below `lower` go to the last. Both live in scratch reused by the next chunk."""
     num_rows, width = shift.shape[0], min(_PASS_COLUMNS, source.shape[1])
     exponents, slots = source.new_empty(num_rows, width), source.new_empty(num_rows, width)
@@ -129,7 +129,7 @@ def _bucketed(
         exponent = torch.sub(part, shift, out=exponents[:, :w]).mul_(scale)
         if lower is not None:
             _drop_below(exponent, part, lower, slots[:, :w])
-        slot = torch.mul(exponent, _TOP_P_BUCKETS / _FLOOR, out=slots[:, :w]).clamp_(0, _TOP_P_BUCKETS - 1)
+        slot = torch.mul(exponent, TOP_P_BUCKETS / FLOOR, out=slots[:, :w]).clamp_(0, TOP_P_BUCKETS - 1)
         yield first, exponent, buckets[:, :w].copy_(slot)  # truncation: the floor of a slot >= 0
 
 
@@ -138,7 +138,7 @@ def _drop_below(exponents: torch.Tensor, part: torch.Tensor, lower: torch.Tensor
     ops alone (a bool mask and masked_fill cost ~30x more on the CPU): sign(logit - lower) is exactly
     -1 there."""
     signs = torch.sub(part, lower, out=spare).sign_()
-    torch.minimum(exponents, signs.mul_(-2 * _FLOOR), out=exponents)
+    torch.minimum(exponents, signs.mul_(-2 * FLOOR), out=exponents)
 
 
 def _finite_bound(lower: torch.Tensor) -> torch.Tensor:
@@ -162,26 +162,27 @@ def _gather_scratch(source: torch.Tensor, row_ids: torch.Tensor | None) -> torch
     return None if row_ids is None else source.new_empty(len(row_ids), min(_PASS_COLUMNS, source.shape[1]))
 
 
-def _finite(values: torch.Tensor) -> torch.Tensor:
+def finite_or_zero(values: torch.Tensor) -> torch.Tensor:
+    """`values` with each infinite or NaN one at 0: a shift that never makes inf - inf."""
     return values.masked_fill(~values.isfinite(), 0.0)  # as torch.logsumexp: no inf - inf
 
 
 # --- rows of a source, and their weights ---------------------------------------------------------------
 
 
-def _select(row_ids: torch.Tensor | None, picked: torch.Tensor, num_source_rows: int) -> torch.Tensor | None:
+def select_rows(row_ids: torch.Tensor | None, picked: torch.Tensor, num_source_rows: int) -> torch.Tensor | None:
     """The source rows of the `picked` ones among `row_ids` (None: all rows of the source, in order)."""
-    return _unless_all(picked if row_ids is None else row_ids[picked], num_source_rows)
+    return unless_all(picked if row_ids is None else row_ids[picked], num_source_rows)
 
 
-def _unless_all(row_ids: torch.Tensor, num_rows: int) -> torch.Tensor | None:
+def unless_all(row_ids: torch.Tensor, num_rows: int) -> torch.Tensor | None:
     """None when `row_ids` are all `num_rows` rows in order (then no gather is needed)."""
     if len(row_ids) == num_rows and bool((row_ids == torch.arange(num_rows)).all()):
         return None
     return row_ids
 
 
-def _take(
+def take_values(
     source: torch.Tensor, row_ids: torch.Tensor | None, rows: torch.Tensor, columns: torch.Tensor
 ) -> torch.Tensor:
     """`source[row_ids[rows], columns]`, broadcast (`row_ids` None: all rows of `source`, in order)."""
@@ -189,7 +190,7 @@ def _take(
     return source.view(-1)[source_rows * source.shape[1] + columns]
 
 
-def _weights(values: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def exp_weights(values: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """exp((values - shift) / T) in float64 (`scale` = log2(e) / T), exactly 0 at or below the floor."""
     exponents = (values - shift).mul_(scale)
-    return exponents.double().exp2_().masked_fill_(exponents <= _FLOOR, 0.0)
+    return exponents.double().exp2_().masked_fill_(exponents <= FLOOR, 0.0)

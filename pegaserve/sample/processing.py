@@ -1,8 +1,15 @@
-"""The sampler's processing of logits before temperature, in vLLM's order (sampler.py's docstring):
-logit_bias, repetition, frequency and presence penalties, then the masks: allowed_token_ids (every
-other token), a grammar's bitmask, and min_tokens' and bad words' ids. Each phase is batched over the
-rows that use it, and a no-op when none do; all of them write into the rows' own copy. (vLLM masks by
+"""A row of the sampler's batch (`SamplingRow`: its params and the context they read), and the
+processing of its logits before temperature, in vLLM's order (sampler.py's docstring): logit_bias,
+repetition, frequency and presence penalties, then the masks: allowed_token_ids (every other token),
+a grammar's bitmask, and min_tokens' and bad words' ids. Each phase is batched over the rows that use
+it, and a no-op when none do; all of them write into the rows' own copy. (vLLM masks by
 allowed_token_ids first: the same floats, as every phase keeps -inf at -inf.)
+
+Every phase maps each logit alone, by float32 ops that never turn a larger logit into a smaller one:
+screened.py's draw by rejection relies on it (processed upper bounds bound processed logits). A new
+phase, all in this file: its function in its place in `edit_rows`, its term in `SamplingRow.edited`
+(the gate the sampler asks of every row every step, kept inline for that), and what of a row bears on
+one column in `_at_column` (for `edit_at`).
 """
 
 from __future__ import annotations
@@ -11,17 +18,48 @@ import array
 import dataclasses
 import functools
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
+from pegaserve.request import SamplingParams
 from pegaserve.sample.grammar import allowed_by
 
-if TYPE_CHECKING:
-    from pegaserve.sample.sampler import SamplingRow
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """One row of a step's logits: whose sampling it is and the context it reads. The engine fills
+    `output_token_ids` only when `params.has_penalties`, `prompt_token_ids` only for
+    repetition_penalty; the sampler reads them only then."""
+
+    params: SamplingParams
+    num_output_tokens: int  # the sampled token's 0-based position among generated ones: keys the seed
+    masked_token_ids: frozenset[int] = frozenset()  # min_tokens (docs/contract.md rule 6), bad words
+    output_token_ids: tuple[int, ...] = ()  # generated so far (presence/frequency/repetition)
+    prompt_token_ids: tuple[int, ...] = ()  # repetition_penalty covers prompt + output
+    draft_token_id: int | None = None  # a speculative proposal for this position: no draw reads it (sampler.py)
+    stream: int = 0  # where its uniforms start among those of its (seed, position) (draw.uniform)
+    token_bitmask: torch.Tensor | None = None  # its grammar's allowed tokens (grammar.Constraint.bitmask)
+
+    @property
+    def edited(self) -> bool:
+        """Whether its logits differ from the raw ones before temperature: some phase of
+        `edit_rows` applies to it. Asked of every row every step, so inline."""
+        params = self.params
+        return bool(self.masked_token_ids or params.logit_bias) or params.has_penalties \
+            or params.allowed_token_ids is not None or self.token_bitmask is not None
+
+    @property
+    def wants_logprob(self) -> bool:
+        """Whether its sampled token's logprob is wanted: asked for. As vLLM's, none is computed
+        otherwise, a choice's first token's neither (the handoff and the ledger carry None).
+        Else its `SampledToken.logprob` is None."""
+        return self.params.num_top_logprobs is not None
 
 
-def _edit(work: torch.Tensor, rows: list[SamplingRow]) -> None:
+def edit_rows(work: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Applies each row's processing to its row of `work` (`[rows, vocab]`, contiguous float32: the
+    rows' own copy of their logits), in place."""
     _add_bias(work, rows)
     _apply_penalties(work, rows)
     _mask(work, rows)
@@ -29,10 +67,10 @@ def _edit(work: torch.Tensor, rows: list[SamplingRow]) -> None:
 
 def edit_at(values: torch.Tensor, columns: Sequence[int], rows: Sequence[SamplingRow]) -> torch.Tensor:
     """Row i's processed logit at `columns[i]` from its raw one `values[i]` (float32): the very ops
-    `_edit` applies there in a whole row, on a one-column copy of each row that keeps only what bears
+    `edit_rows` applies there in a whole row, on a one-column copy of each row that keeps only what bears
     on that column (as column 0), so the two are the same float."""
     work = values.reshape(-1, 1).clone()
-    _edit(work, [_at_column(row, column) for row, column in zip(rows, columns)])
+    edit_rows(work, [_at_column(row, column) for row, column in zip(rows, columns)])
     return work[:, 0]
 
 

@@ -2,7 +2,7 @@
 
 Processing, in vLLM's order, on a copy of just the rows that need it (the caller's logits are never
 changed): allowed_token_ids and a grammar (every other token masked), logit_bias (added), the
-min_tokens mask (docs/CONTRACT.md rule 6) and bad words, repetition_penalty over
+min_tokens mask (docs/contract.md rule 6) and bad words, repetition_penalty over
 prompt + output (HF: each distinct token's logit divided by p if positive, else multiplied), then
 frequency and presence penalties over the output (OpenAI: minus frequency * count, minus presence
 once). The masks are written after the penalties, which changes nothing for valid values (they keep
@@ -20,7 +20,7 @@ That is an exact sample from p, accepted with probability p(draft) as rejection 
 one-token proposal, and a seeded request's tokens are the same with drafts or without. (Where the
 runner has the screened LM head, a sampled row without filter or logprob is drawn by rejection from
 upper bounds of its processed logits instead, with the same law and more uniforms of the same
-hash: sampling_screened.py.)
+hash: screened.py.)
 
 A vocabulary is ~150k wide, so passes over it dominate a small model's step. Every row costs a
 chunked max that finds the argmax; a chunked exp2-sum gives both the log-normalizer and the inverse
@@ -33,8 +33,9 @@ each is a per-row lower bound on the logits kept, top-k's from the k cells with 
 top-p's from a histogram of the mass and a sort of one bucket of it (never of a row), min_p's in
 closed form. Tokens more than 80 nats below a row's best weigh nothing.
 
-Processing lives in sampling_processing.py, the filters in sampling_filters.py, the draw in sampling_draw.py,
-and the passes over the vocabulary in sampling_passes.py (their kernel in vocab_passes.py).
+`SamplingRow` and the processing live in processing.py, the temperature scales and filters in
+filters.py, the draw in draw.py, and the passes over the vocabulary in passes.py (their kernel in
+pegaserve/cpu/vocab_passes.py). This module plans which rows take which path.
 """
 
 from __future__ import annotations
@@ -44,68 +45,28 @@ from dataclasses import dataclass
 
 import torch
 
-from pegaserve.request import SampledToken, SamplingParams
-from pegaserve.sample.draw import _draw
-from pegaserve.sample.filters import _best, _lower_bounds, _scales
+from pegaserve.request import SampledToken, TokenScore
+from pegaserve.sample.draw import draw_tokens
+from pegaserve.sample.filters import has_filters, lower_bounds, temperature_scales, top_logits
 from pegaserve.sample.passes import (
-    _cell_masses,
-    _finite,
-    _normalizers,
-    _select,
-    _unless_all,
     argmax_rows,
+    cell_masses,
+    finite_or_zero,
     log_normalizers,
     max_argmax_rows,
+    normalizers_from_masses,
+    select_rows,
+    unless_all,
 )
-from pegaserve.sample.processing import _edit
+from pegaserve.sample.processing import SamplingRow, edit_rows
 
 _SCORE_ROWS = 64  # prompt rows scored at a time: bounds the [rows, vocab] temporaries
-
-
-@dataclass(frozen=True)
-class SamplingRow:
-    """One row of a step's logits: whose sampling it is and the context it reads. The engine fills
-    `output_token_ids` only when `params.has_penalties`, `prompt_token_ids` only for
-    repetition_penalty; the sampler reads them only then."""
-
-    params: SamplingParams
-    num_output_tokens: int  # the sampled token's 0-based position among generated ones: keys the seed
-    masked_token_ids: frozenset[int] = frozenset()  # min_tokens (docs/CONTRACT.md rule 6), bad words
-    output_token_ids: tuple[int, ...] = ()  # generated so far (presence/frequency/repetition)
-    prompt_token_ids: tuple[int, ...] = ()  # repetition_penalty covers prompt + output
-    draft_token_id: int | None = None  # a speculative proposal for this position: no draw reads it (above)
-    stream: int = 0  # where its uniforms start among those of its (seed, position) (sampling_draw._uniform)
-    token_bitmask: torch.Tensor | None = None  # its grammar's allowed tokens (grammar.Constraint.bitmask)
-
-    @property
-    def edited(self) -> bool:
-        """Whether its logits differ from the raw ones before temperature."""
-        params = self.params
-        return bool(self.masked_token_ids or params.logit_bias) or params.has_penalties \
-            or params.allowed_token_ids is not None or self.token_bitmask is not None
-
-    @property
-    def wants_logprob(self) -> bool:
-        """Whether its sampled token's logprob is wanted: asked for. As vLLM's, none is computed
-        otherwise, a choice's first token's neither (the handoff and the ledger carry None).
-        Else its `SampledToken.logprob` is None."""
-        return self.params.num_top_logprobs is not None
 
 
 def argmax_only(row: SamplingRow) -> bool:
     """Whether the row's token is the raw logits' argmax and nothing else is read of them: greedy,
     no processing, no logprob wanted. `sample` gives it `SampledToken(argmax, None)`."""
     return row.params.greedy and not row.edited and not row.wants_logprob
-
-
-@dataclass(frozen=True)
-class TokenScore:
-    """A given token under one row of logits (prompt logprobs, echo)."""
-
-    token_id: int
-    logprob: float  # the raw log-softmax
-    rank: int  # 1 + the number of tokens with a strictly greater logit
-    top_logprobs: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first
 
 
 def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
@@ -118,14 +79,14 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledTok
     normalizers = torch.full((num_rows,), float("nan"))  # found for the massed rows only
     if plan.massed:
         massed = torch.tensor(plan.massed)
-        raw_masses = _cell_masses(logits, _finite(raw_max[massed]), None, _unless_all(massed, num_rows))
-        normalizers[massed] = _normalizers(raw_masses, raw_max[massed])
+        raw_masses = cell_masses(logits, finite_or_zero(raw_max[massed]), None, unless_all(massed, num_rows))
+        normalizers[massed] = normalizers_from_masses(raw_masses, raw_max[massed])
     token_ids = raw_argmax.clone()  # greedy rows without processing keep theirs
     if plan.unedited:
         index = torch.tensor(plan.unedited)
         picked = [rows[i] for i in plan.unedited]
         reused = raw_masses[plan.reused_masses] if plan.num_reused else None
-        row_ids = _unless_all(index, num_rows)
+        row_ids = unless_all(index, num_rows)
         token_ids[index] = _sample_rows(logits, row_ids, picked, raw_max[index], raw_argmax[index], reused)
     if plan.edited:
         index = torch.tensor(plan.edited)
@@ -140,7 +101,7 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
     """A copy of `logits` with each row's logit_bias, penalties and min_tokens mask applied: what a
     greedy row takes the argmax of, and a sampled one divides by its temperature."""
     processed = logits.clone(memory_format=torch.contiguous_format)
-    _edit(processed, list(rows))
+    edit_rows(processed, list(rows))
     return processed
 
 
@@ -185,7 +146,7 @@ def _top_logprobs(
     if not wanted:
         return tops
     index = torch.tensor(wanted)
-    values, ids = _best(logits, _unless_all(index, len(counts)), max(counts[i] for i in wanted))
+    values, ids = top_logits(logits, unless_all(index, len(counts)), max(counts[i] for i in wanted))
     values = (values - normalizers[index, None]).tolist()
     for r, (i, top_ids) in enumerate(zip(wanted, ids.tolist())):
         tops[i] = tuple(zip(top_ids[: counts[i]], values[r][: counts[i]]))
@@ -218,7 +179,7 @@ class _Plan:
             if row.edited:
                 (greedy if params.greedy else sampled).append(i)
             elif not params.greedy:
-                plain_draw = params.temperature == 1.0 and not _filters(params, vocab)
+                plain_draw = params.temperature == 1.0 and not has_filters(params, vocab)
                 (reused if plain_draw else unedited).append(i)
             if plain_draw or row.wants_logprob:
                 massed.append(i)
@@ -226,13 +187,9 @@ class _Plan:
         return _Plan(reused + unedited, len(reused), sampled + greedy, len(sampled), massed, [where[i] for i in reused])
 
 
-def _filters(params: SamplingParams, vocab: int) -> bool:
-    return params.top_p < 1.0 or 0 < params.top_k < vocab or params.min_p > 0.0
-
-
 def _sample_edited(work: torch.Tensor, rows: list[SamplingRow], plan: _Plan) -> torch.Tensor:
     """Tokens of the rows with processing; `work` is their own copy of the logits."""
-    _edit(work, rows)
+    edit_rows(work, rows)
     argmax = argmax_rows(work)  # the greedy rows' tokens
     num_sampled = plan.num_edited_sampled
     if num_sampled:
@@ -252,13 +209,13 @@ def _sample_rows(
 ) -> torch.Tensor:
     """Draw each of `rows` from its row of `source` (`row_ids`; None: all, in order), given each
     one's max (`[n, 1]`) and argmax; the first rows' cell masses may be known (`reused_masses`)."""
-    shift, scale = _finite(row_max), _scales(rows)  # [n, 1] each
-    lower = _lower_bounds(source, row_ids, rows, row_max, shift, scale)
+    shift, scale = finite_or_zero(row_max), temperature_scales(rows)  # [n, 1] each
+    lower = lower_bounds(source, row_ids, rows, row_max, shift, scale)
     num_reused = 0 if reused_masses is None else reused_masses.shape[0]
     masses = reused_masses
     if num_reused < len(rows):
-        rest = _select(row_ids, torch.arange(num_reused, len(rows)), source.shape[0])
+        rest = select_rows(row_ids, torch.arange(num_reused, len(rows)), source.shape[0])
         bounded = lower[num_reused:] if bool((lower > float("-inf")).any()) else None
-        found = _cell_masses(source, shift[num_reused:], scale[num_reused:], rest, bounded)
+        found = cell_masses(source, shift[num_reused:], scale[num_reused:], rest, bounded)
         masses = found if masses is None else torch.cat([masses, found])
-    return _draw(source, row_ids, row_max, shift, scale, lower, masses, rows, row_argmax)
+    return draw_tokens(source, row_ids, row_max, shift, scale, lower, masses, rows, row_argmax)

@@ -6,13 +6,13 @@ full logits:
   logits' own, bit for bit.
 - A sampled row without filter or logprob (`draws_by_rejection`) is drawn by rejection from
   upper bounds U_j >= L_j of its fp32 logits L. Its processing (logit_bias, penalties, the allowed_token_ids
-  and min_tokens masks: sampling_processing.py) maps each logit alone, by float32 ops that never turn a larger
+  and min_tokens masks: processing.py) maps each logit alone, by float32 ops that never turn a larger
   logit into a smaller one, so processed bounds bound processed logits: below, U and L stand for
-  both processed (the bounds by `_edit`, the one exact logit by `edit_at`, the same ops on the same
-  float as the full logits' path). The sampler's own draw (`_draw`, its cells and floor) proposes
+  both processed (the bounds by `edit_rows`, the one exact logit by `edit_at`, the same ops on the same
+  float as the full logits' path). The sampler's own draw (`draw_tokens`, its cells and floor) proposes
   j with weight 2^((U_j - max U) * scale); j is accepted with probability 2^((L_j - U_j) * scale)
   <= 1, its one fp32 logit computed for that; else the row proposes again with its next uniforms
-  (`_uniform`'s streams). An accepted token has weight 2^((L_j - max U) * scale) whatever the
+  (`uniform`'s streams). An accepted token has weight 2^((L_j - max U) * scale) whatever the
   proposals before it: the law of the draw from the full logits. On the default
   model U_j - L_j is ~0.07 nats where the mass is (|x| times the bounds' mean predicts it), so ~93%
   of proposals at temperature 1 are accepted; a row whose typical slack at its temperature is over
@@ -39,12 +39,12 @@ import torch
 
 from pegaserve.cpu.lm_head import ScreenedHead
 from pegaserve.request import SampledToken
-from pegaserve.sample.draw import _draw, _uniform
-from pegaserve.sample.filters import _scales
+from pegaserve.sample.draw import draw_tokens, uniform
+from pegaserve.sample.filters import has_filters, temperature_scales
 from pegaserve.sample.on_device import sample_on_device
-from pegaserve.sample.passes import _CELL, _FLOOR, _cell_masses, _finite, max_argmax_rows
-from pegaserve.sample.processing import _edit, edit_at
-from pegaserve.sample.sampler import SamplingRow, _filters, argmax_only
+from pegaserve.sample.passes import CELL, FLOOR, cell_masses, finite_or_zero, max_argmax_rows
+from pegaserve.sample.processing import SamplingRow, edit_at, edit_rows
+from pegaserve.sample.sampler import argmax_only
 
 MAX_PROPOSALS = 16  # at MAX_SLACK a proposal is accepted with probability ~exp(-MAX_SLACK)
 MAX_SLACK = 0.5  # nats: |x| * mean bound / temperature, above which a row takes its full logits
@@ -54,7 +54,7 @@ def draws_by_rejection(row: SamplingRow, vocab: int) -> bool:
     """Whether the row is drawn from the screened head's upper bounds: sampled, with no filter or
     logprob (processing is applied to the bounds)."""
     params = row.params
-    return not row.wants_logprob and not params.greedy and not _filters(params, vocab)
+    return not row.wants_logprob and not params.greedy and not has_filters(params, vocab)
 
 
 def _stretch(row: SamplingRow) -> float:
@@ -82,7 +82,8 @@ def sample_hidden(
             picked, index = _positions(hidden, row_of, drawn)
             stretch = torch.tensor([_stretch(rows[i]) for i in drawn])
             slack = picked.detach().float().norm(dim=1).cpu()[index] * head.mean_bound * stretch
-            close = slack * _scales([rows[i] for i in drawn])[:, 0] <= MAX_SLACK * math.log2(math.e)  # in log2 units
+            scale = temperature_scales([rows[i] for i in drawn])[:, 0]
+            close = slack * scale <= MAX_SLACK * math.log2(math.e)  # in log2 units
             drawn, index = [i for i, ok in zip(drawn, close.tolist()) if ok], index[close]
         if drawn:
             found = _draw_by_rejection(head, picked[index], [rows[i] for i in drawn])
@@ -119,16 +120,16 @@ def _positions(hidden: torch.Tensor, row_of: Sequence[int], subset: list[int]) -
 def _draw_by_rejection(head: ScreenedHead, hidden: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
     """Row i's token drawn by rejection from `head`'s upper bounds of `hidden[i]`'s logits (the
     module docstring), or -1 where its full logits must draw it."""
-    scale = _scales(rows)  # [n, 1]
-    upper, row_max, masses = head.upper_logits(hidden, scale[:, 0], _FLOOR, _CELL)  # [n, vocab], [n, 1], [n, cells]
+    scale = temperature_scales(rows)  # [n, 1]
+    upper, row_max, masses = head.upper_logits(hidden, scale[:, 0], FLOOR, CELL)  # [n, vocab], [n, 1], [n, cells]
     edited = [i for i, row in enumerate(rows) if row.edited]
     if edited:  # their bounds processed, and their maxima and masses found anew
-        _edit(upper, list(rows))
+        edit_rows(upper, list(rows))
         index = torch.tensor(edited)
         row_max[index] = max_argmax_rows(upper, index)[0]
-        masses[index] = _cell_masses(upper, _finite(row_max[index]), scale[index], index)
-    shift = _finite(row_max)
-    unsettled = torch.full((len(rows),), -1)  # `_draw`'s answer for a row it cannot draw
+        masses[index] = cell_masses(upper, finite_or_zero(row_max[index]), scale[index], index)
+    shift = finite_or_zero(row_max)
+    unsettled = torch.full((len(rows),), -1)  # `draw_tokens`'s answer for a row it cannot draw
     tokens = [-1] * len(rows)
     pending = [i for i, finite in enumerate(row_max[:, 0].isfinite().tolist()) if finite]
     if not pending:
@@ -137,7 +138,7 @@ def _draw_by_rejection(head: ScreenedHead, hidden: torch.Tensor, rows: Sequence[
     for proposal in range(MAX_PROPOSALS):
         at = torch.tensor(pending)
         picked = [rows[i] for i in pending]
-        proposed = _draw(upper, at, row_max[at], shift[at], scale[at], no_bound[at], masses[at], picked,
+        proposed = draw_tokens(upper, at, row_max[at], shift[at], scale[at], no_bound[at], masses[at], picked,
                          unsettled[at], stream=2 * proposal)  # fmt: skip
         columns = proposed.clamp(min=0)
         exact = head.logits_at(hidden[at], columns)
@@ -145,13 +146,13 @@ def _draw_by_rejection(head: ScreenedHead, hidden: torch.Tensor, rows: Sequence[
             exact = edit_at(exact, columns.tolist(), picked)
         exact = exact.double()
         ratio = torch.exp2((exact - upper[at, columns].double()) * scale[at, 0].double())  # <= 1
-        uniforms = torch.tensor([_uniform(row, 2 * proposal + 1) for row in picked], dtype=torch.float64)
+        uniforms = torch.tensor([uniform(row, 2 * proposal + 1) for row in picked], dtype=torch.float64)
         rejected = []
         for i, token_id, accepted in zip(pending, proposed.tolist(), (uniforms < ratio).tolist()):
             if token_id >= 0 and accepted:
                 tokens[i] = token_id
             elif token_id >= 0:
-                rejected.append(i)  # (a row `_draw` cannot draw is left to its full logits)
+                rejected.append(i)  # (a row `draw_tokens` cannot draw is left to its full logits)
         pending = rejected
         if not pending:
             break

@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pegaserve.request import SampledToken
+from pegaserve.request import SampledToken, TokenScore
 
 if TYPE_CHECKING:
-    from pegaserve.sample.sampler import SamplingRow, TokenScore
+    from pegaserve.sample.processing import SamplingRow
 
 
 @dataclass(frozen=True)

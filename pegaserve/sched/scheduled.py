@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from pegaserve.request import RequestState
 from pegaserve.sample.grammar import Grammars
-from pegaserve.sample.processing import bad_word_bans
-from pegaserve.sample.sampler import SamplingRow
+from pegaserve.sample.processing import SamplingRow, bad_word_bans
 from pegaserve.sched.output import SampleAt, ScheduledRequest
 
 

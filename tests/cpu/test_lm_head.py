@@ -176,7 +176,7 @@ def test_greedy_head_keeps_the_best_fp32_logit_that_its_fp16_copy_ranks_below_an
     weight = torch.randn(50, 256, generator=generator) * 0.01
     weight[10], weight[40] = best, other
     assert torch.equal(weight[10].half().float(), h) and torch.equal(weight[40].half().float(), other)
-    bound = float(hidden[0].norm()) * float(lm_head._screen_bounds(other[None], other[None].half())[0])
+    bound = float(hidden[0].norm()) * float(lm_head.screen_bounds(other[None], other[None].half())[0])
     assert float(x @ (other.double() - h.double())) > bound  # other's lower bound is above best's fp16 logit
 
     screened, full = _screened_and_full(weight, hidden)
@@ -252,7 +252,7 @@ def test_screened_heads_upper_bounds_hold_and_its_logits_are_the_full_heads(num_
     assert masses[4].isnan().all()
     assert (upper[finite] >= logits[finite]).all()
     scale = hidden[finite].double().norm(dim=1, keepdim=True)
-    slack = 2 * scale * lm_head._screen_bounds(weight, weight.half()).double()[None]
+    slack = 2 * scale * lm_head.screen_bounds(weight, weight.half()).double()[None]
     assert ((upper[finite].double() - logits[finite].double()) <= slack).all()
     assert torch.equal(head.logits_at(hidden, columns), logits[torch.arange(9), columns])
 
@@ -284,7 +284,7 @@ def test_failed_build_falls_back_to_onednn(monkeypatch, caplog):
 
     monkeypatch.setattr(kernels, "build", fail)
     monkeypatch.setattr(kernels, "isa", lambda: "avx512")
-    lm_head._load_kernel.cache_clear()
+    kernels.lm_head.cache_clear()
     try:
         weight, hidden = _weight_and_hidden(100, 128, 3)
         with caplog.at_level(logging.WARNING, logger=kernels.__name__):
@@ -295,7 +295,7 @@ def test_failed_build_falls_back_to_onednn(monkeypatch, caplog):
         ) == 1  # fmt: skip
         torch.testing.assert_close(heads[0](hidden).double(), lm_head_reference(hidden, weight), rtol=1e-5, atol=1e-4)
     finally:
-        lm_head._load_kernel.cache_clear()
+        kernels.lm_head.cache_clear()
 
 
 def _tiny_config(vocab_size: int = 1003, hidden_size: int = 64) -> ModelConfig:

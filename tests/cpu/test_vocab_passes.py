@@ -11,11 +11,11 @@ import torch
 from pegaserve.cpu import vocab_passes
 from pegaserve.request import SamplingParams
 from pegaserve.sample import filters, passes, sampler
-from pegaserve.sample.sampler import SamplingRow
+from pegaserve.sample.processing import SamplingRow
 from tests.helpers import kernel_marks
 
 pytestmark = kernel_marks("torch's path is used")
-FLOOR, CELL, BUCKETS = passes._FLOOR, passes._CELL, passes._TOP_P_BUCKETS
+FLOOR, CELL, BUCKETS = passes.FLOOR, passes.CELL, passes.TOP_P_BUCKETS
 
 
 def test_the_kernel_builds_and_loads():
@@ -61,12 +61,12 @@ def test_cell_masses_match_the_torch_path(vocab, bounded, monkeypatch):
     x = logits(4, vocab, seed=vocab, scale=6.0)
     x[1, ::3] = float("-inf")
     shift = x.amax(-1, keepdim=True)
-    scale = torch.tensor([[1.0], [2.0], [0.3], [50.0]]) * passes._LOG2_E
+    scale = torch.tensor([[1.0], [2.0], [0.3], [50.0]]) * passes.LOG2_E
     lower = torch.tensor([[float("-inf")], [0.0], [2.0], [float("-inf")]]) if bounded else None
     rows = torch.tensor([3, 2, 1, 0])
     found = vocab_passes.cell_masses(x, shift, scale, rows, lower, FLOOR, CELL)
     monkeypatch.setattr(vocab_passes, "_library", lambda: None)
-    expected = passes._cell_masses(x, shift, scale, rows, lower)
+    expected = passes.cell_masses(x, shift, scale, rows, lower)
     torch.testing.assert_close(found, expected, rtol=2e-6, atol=0.0)
 
 
@@ -76,12 +76,12 @@ def test_top_p_bounds_equal_the_torch_paths(p, temperature, monkeypatch):
     x = logits(6, 151936, seed=int(p * 1000), scale=4.0)
     x[5, 10:20] = x[5].max() + 5  # a run of equal best tokens
     shift = x.amax(-1, keepdim=True)
-    scale = torch.full((6, 1), passes._LOG2_E / temperature)
+    scale = torch.full((6, 1), passes.LOG2_E / temperature)
     lower = torch.full((6, 1), float("-inf"))
     lower[2] = x[2].kthvalue(151936 - 40).values  # top-k came first
-    found = filters._top_p_bound(x, None, shift, scale, lower, [p] * 6)
+    found = filters.top_p_bound(x, None, shift, scale, lower, [p] * 6)
     monkeypatch.setattr(vocab_passes, "_library", lambda: None)
-    assert torch.equal(found, filters._top_p_bound(x, None, shift, scale, lower, [p] * 6))
+    assert torch.equal(found, filters.top_p_bound(x, None, shift, scale, lower, [p] * 6))
 
 
 PARAMS = [{"temperature": 0.0}, {"temperature": 1.0}, {"temperature": 0.7}, {"top_p": 0.9}, {"top_k": 40},

@@ -12,8 +12,9 @@ from pegaserve.config import SpeculativeConfig
 from pegaserve.engine.build import load_engine
 from pegaserve.engine.core import EngineConfig, Role
 from pegaserve.request import EngineRequest, Handoff, SamplingParams
-from pegaserve.sample.grammar import Constraint, GrammarSpec, _grammar, allowed_by
-from pegaserve.sample.sampler import SamplingRow, process_logits
+from pegaserve.sample.grammar import Constraint, GrammarSpec, allowed_by, as_xgrammar
+from pegaserve.sample.processing import SamplingRow
+from pegaserve.sample.sampler import process_logits
 from pegaserve.stop import Eos, StopPolicy
 from pegaserve.tokenizer import Tokenizer
 from tests.helpers import EOS_IDS, PROMPTS, run_to_completion, token_ids
@@ -38,7 +39,7 @@ def request(rid: str, prompt, grammar: GrammarSpec, temperature: float, seed: in
 def character_matcher(spec: GrammarSpec):
     """xgrammar's own matcher of `spec`, reading characters (a vocabulary of none)."""
     compiler = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo([]))
-    return xgrammar.GrammarMatcher(compiler.compile_grammar(_grammar(xgrammar, spec)), terminate_without_stop_token=True)
+    return xgrammar.GrammarMatcher(compiler.compile_grammar(as_xgrammar(xgrammar, spec)), terminate_without_stop_token=True)
 
 
 @pytest.fixture(scope="module")

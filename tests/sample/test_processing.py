@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from pegaserve.request import SamplingParams
-from pegaserve.sample.processing import bad_word_bans
-from pegaserve.sample.sampler import SamplingRow, process_logits, sample, score_tokens
+from pegaserve.sample.processing import SamplingRow, bad_word_bans
+from pegaserve.sample.sampler import process_logits, sample, score_tokens
 from tests.sample.test_sampler import CHI2_7_DOF, chi_square, drawn, random_logits, row
 
 INF = float("inf")

@@ -1,4 +1,4 @@
-"""The sampler: seeds, top-k/top-p, logprobs, greedy, min_tokens masking (docs/CONTRACT.md rule 6)
+"""The sampler: seeds, top-k/top-p, logprobs, greedy, min_tokens masking (docs/contract.md rule 6)
 and speculative drafts. Processing (penalties, logit_bias, min_p) and prompt scoring are in
 test_sampler_processing.py.
 
@@ -16,7 +16,8 @@ import torch
 
 from pegaserve.request import SamplingParams
 from pegaserve.sample.passes import argmax_rows, log_normalizers
-from pegaserve.sample.sampler import SamplingRow, sample
+from pegaserve.sample.processing import SamplingRow
+from pegaserve.sample.sampler import sample
 
 EOS = 151645
 RUNNER_UP = 65  # the scripted model's runner-up token ("b")

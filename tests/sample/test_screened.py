@@ -12,8 +12,8 @@ import torch
 from pegaserve.cpu.lm_head import CpuLogits, ScreenedHead
 from pegaserve.request import SamplingParams
 from pegaserve.sample import screened
-from pegaserve.sample.processing import edit_at
-from pegaserve.sample.sampler import SamplingRow, process_logits
+from pegaserve.sample.processing import SamplingRow, edit_at
+from pegaserve.sample.sampler import process_logits
 from pegaserve.sample.screened import draws_by_rejection, sample_hidden
 from tests.helpers import on_each_kernel_build
 from tests.sample.test_sampler import chi_square
@@ -297,9 +297,9 @@ def test_without_a_screened_head_every_row_takes_the_full_logits():
 
 
 def test_a_rows_stream_shifts_its_uniforms_and_stream_zero_is_the_draws_own():
-    from pegaserve.sample.draw import _mix64, _uniform  # noqa: PLC0415
+    from pegaserve.sample.draw import mix64, uniform  # noqa: PLC0415
 
     row = _row(7, position=5)
-    assert _uniform(row) == (_mix64(_mix64(7) ^ 5) >> 11) * 2.0**-53  # the hash every draw used before
-    assert _uniform(dataclasses.replace(row, stream=32)) == _uniform(row, 32) != _uniform(row)
-    assert _uniform(dataclasses.replace(row, stream=32), 1) == _uniform(row, 33)
+    assert uniform(row) == (mix64(mix64(7) ^ 5) >> 11) * 2.0**-53  # the hash every draw used before
+    assert uniform(dataclasses.replace(row, stream=32)) == uniform(row, 32) != uniform(row)
+    assert uniform(dataclasses.replace(row, stream=32), 1) == uniform(row, 33)
