@@ -12,6 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from pegaserve.attention.backend import AttentionBatch, AttentionSpec, SdpaBackend
+from pegaserve.attention.triton import TritonBackend
 from pegaserve.kernels.block_copy import (
     gather_blocks,
     gather_blocks_reference,
@@ -23,9 +26,6 @@ from pegaserve.kernels.norm_rope import add_rms_norm, add_rms_norm_reference, qk
 from pegaserve.kernels.prefill_attention import prefill_attention, prefill_attention_reference
 from pegaserve.kernels.store_kv import store_kv, store_kv_reference
 from pegaserve.kernels.testing import PagedBatch, make_paged_batch, noise, random_qkv
-
-from pegaserve.attention.backend import AttentionBatch, SdpaBackend
-from pegaserve.attention.triton import TritonBackend
 
 
 @dataclass(frozen=True)
@@ -128,13 +128,13 @@ def bench_backends(query_lens: list[int], context_lens: list[int], shape: Attent
     batch = AttentionBatch(
         paged.slot_mapping, paged.block_tables, paged.context_lens, paged.query_lens, paged.context_lens_cpu
     )
-    scale = shape.head_dim**-0.5
+    spec = AttentionSpec(shape.num_heads, shape.num_kv_heads, shape.head_dim, scale=shape.head_dim**-0.5)
     triton_backend, sdpa_backend = TritonBackend(), SdpaBackend()
     phase = "decode" if batch.is_decode else "prefill"
     return Timing(
         f"{phase} backend forward", _lens_case(context_lens, query_lens),
-        time_us(lambda: triton_backend.forward(q, k, v, paged.kv_layer, batch, scale), shape.device),
-        time_us(lambda: sdpa_backend.forward(q, k, v, paged.kv_layer, batch, scale), shape.device), "sdpa backend",
+        time_us(lambda: triton_backend.forward(q, k, v, paged.kv_layer, batch, spec), shape.device),
+        time_us(lambda: sdpa_backend.forward(q, k, v, paged.kv_layer, batch, spec), shape.device), "sdpa backend",
         bytes_moved=_context_bytes(context_lens, shape) if batch.is_decode else None,
         flops=None if batch.is_decode else _attention_flops(query_lens, context_lens, shape),
     )  # fmt: skip

@@ -7,15 +7,16 @@ import argparse
 from dataclasses import replace
 
 from pegaserve.api.app import build_app
-from pegaserve.api.services import LocalEngineClient, LocalLedgerClient
 from pegaserve.api.frontend import Frontend
 from pegaserve.api.model_info import model_info, served_name
+from pegaserve.api.services import LocalEngineClient, LocalLedgerClient
+from pegaserve.attention.registry import AUTO, backend_names
 from pegaserve.config import Limits
 from pegaserve.engine.async_engine import AsyncEngine
 from pegaserve.engine.build import load_engine
 from pegaserve.engine.core import EngineConfig, EngineCore
 from pegaserve.heap import freeze_startup_heap
-from pegaserve.models.config import ModelConfig
+from pegaserve.models.config import ModelConfig, ModelLoadError
 from pegaserve.models.tiny import DEFAULT_MODEL_NAME, ensure_model_dir
 from pegaserve.tokenizer import Tokenizer
 
@@ -45,11 +46,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL_NAME, help="qwen3-tiny or a local HF model directory")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "sdpa", "triton"])
+    parser.add_argument("--attention-backend", default=AUTO, choices=backend_names())
     parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's own context")
     args = parser.parse_args(argv)
-    frontend = build_local_frontend(args.model, EngineConfig(max_model_len=args.max_model_len),
-                                    attention_backend=args.attention_backend)
+    try:
+        frontend = build_local_frontend(args.model, EngineConfig(max_model_len=args.max_model_len),
+                                        attention_backend=args.attention_backend)
+    except ModelLoadError as exc:  # e.g. an architecture no family is registered for: one line, no traceback
+        parser.exit(2, f"{parser.prog}: {exc}\n")
     app = build_app(frontend)
     freeze_startup_heap()
     uvicorn.run(app, host=args.host, port=args.port)

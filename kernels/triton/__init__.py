@@ -9,8 +9,7 @@ raises `ValueError` naming the bad argument, and a pure-torch `*_reference` that
 - `block_copy`: gather a request's blocks into one packed buffer, scatter one into other blocks
   (the handoff's pack and unpack on CUDA: `pegaserve.runner.model_runner.pack_blocks`).
 - `norm_rope`: fused residual add + RMSNorm, and Qwen3's per-head q/k RMSNorm + RoPE (the
-  `triton` backend's `qk_norm_rope`).
-- `backend`: `TritonBackend`, the engine's `triton` attention backend (store + decode/prefill).
+  `triton` attention backend's `qk_norm_rope`, pegaserve/attention/triton.py).
 
 Support: `testing` (interpreter set-up, random paged batches), `compile_check` (compile every
 kernel for sm_90 without a GPU). Microbenchmarks: benchmarks/kernels.py; on a GPU, `make gpu-check`.

@@ -1,17 +1,20 @@
 """Attention over the paged KV cache, behind a small backend interface.
 
-The model calls `backend.forward(...)` once per layer; the backend writes the step's new K/V into
-the cache by slot mapping, then attends each query over its request's whole context (cached prefix
-plus the new tokens). A step may mix requests: decode tokens (one query each, or a few with
-speculative drafts) and prefill chunks (many queries, continuing after any cached prefix).
-`sdpa` is the torch reference; `triton` (pegaserve.kernels/) plugs in here.
+A model calls `backend.forward(...)` once per layer (through `pegaserve.models.layers.PagedAttention`);
+the backend writes the step's new K/V into the cache by slot mapping, then attends each query over
+its request's whole context (cached prefix plus the new tokens). A step may mix requests: decode
+tokens (one query each, or a few with speculative drafts) and prefill chunks (many queries,
+continuing after any cached prefix). `sdpa` is the torch reference; backends are chosen by name
+(`pegaserve.attention.registry`), `triton` (pegaserve.kernels) among them.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -47,13 +50,52 @@ class AttentionBatch:
         return tuple(starts)
 
 
-class AttentionBackend(ABC):
-    name: str
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What one attention layer computes, as its model declares it (once, as it is built).
 
-    def qk_norm_rope(self, q: torch.Tensor, k: torch.Tensor, q_norm, k_norm, rotary, positions: torch.Tensor):
-        """Qwen3's per-head q/k RMSNorm then RoPE (the model's modules: the reference). A backend
-        may fuse them (`triton` does, on CUDA)."""
-        return rotary(q_norm(q), positions), rotary(k_norm(k), positions)
+    `logit_soft_cap` (Gemma 2's `cap * tanh(scores / cap)`) and `sliding_window` (attend to the
+    last `sliding_window` keys only) are declared here so that a backend can refuse them: none of
+    today's backends computes either.
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float  # applied to q·k before the softmax
+    logit_soft_cap: float | None = None
+    sliding_window: int | None = None
+
+
+class UnsupportedAttention(ValueError):
+    """A backend cannot compute a layer as its `AttentionSpec` declares it; names both."""
+
+
+# (q, k, q_weight, k_weight, cos, sin, positions, eps) -> (q, k): per-head RMSNorm, then rotate-half
+# RoPE from cos/sin tables indexed by position (pegaserve.models.layers.qk_norm_rope is its reference)
+QKNormRope = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+class AttentionBackend(ABC):
+    """One per model, shared by its layers; each layer passes its own `AttentionSpec` to every call
+    after `check`ing it once. A backend holds no KV: the runner owns the cache and passes each
+    layer's slice."""
+
+    name: ClassVar[str]
+    supports_logit_soft_cap: ClassVar[bool] = False
+    supports_sliding_window: ClassVar[bool] = False
+    # A fused kernel for the per-head q/k RMSNorm + RoPE that some families run before attention,
+    # where the backend brings one (`triton`); None: the family's own layers compute it.
+    qk_norm_rope: ClassVar[QKNormRope | None] = None
+
+    def check(self, spec: AttentionSpec) -> None:
+        """Raise `UnsupportedAttention` if this backend cannot compute `spec` (the model, as it is built)."""
+        if spec.logit_soft_cap is not None and not self.supports_logit_soft_cap:
+            raise UnsupportedAttention(f"attention backend {self.name!r} does not support a logit soft-cap "
+                                       f"({spec.logit_soft_cap})")
+        if spec.sliding_window is not None and not self.supports_sliding_window:
+            raise UnsupportedAttention(f"attention backend {self.name!r} does not support a sliding window "
+                                       f"({spec.sliding_window} tokens)")
 
     @abstractmethod
     def forward(
@@ -63,7 +105,7 @@ class AttentionBackend(ABC):
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         kv_layer: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         batch: AttentionBatch,
-        scale: float,
+        spec: AttentionSpec,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Store k/v at `batch.slot_mapping`, then causal attention of q over each context."""
 
@@ -91,7 +133,8 @@ class SdpaBackend(AttentionBackend):
 
     name = "sdpa"
 
-    def forward(self, q, k, v, kv_layer, batch, scale):
+    def forward(self, q, k, v, kv_layer, batch, spec):
+        scale = spec.scale
         store_kv(k, v, kv_layer, batch.slot_mapping)
         if all(n <= MAX_BATCHED_QUERY for n in batch.query_lens):
             return self._batched(q, kv_layer, batch, scale, range(len(batch.query_lens)))
@@ -180,18 +223,3 @@ def _query_rows(batch: AttentionBatch, requests, device) -> torch.Tensor:
     """The flattened step's rows of the given requests' queries, in order."""
     starts, lens = batch.query_starts, batch.query_lens
     return torch.tensor([starts[i] + j for i in requests for j in range(lens[i])], device=device)
-
-
-def make_backend(name: str) -> AttentionBackend:
-    """`auto` picks triton on CUDA when it imports, else sdpa."""
-    if name == "sdpa" or (name == "auto" and not torch.cuda.is_available()):
-        return SdpaBackend()
-    if name in ("triton", "auto"):
-        try:
-            from pegaserve.attention.triton import TritonBackend  # noqa: PLC0415 - optional GPU path
-        except ImportError:
-            if name == "triton":
-                raise
-            return SdpaBackend()
-        return TritonBackend()
-    raise ValueError(f"unknown attention backend {name!r}: expected auto, sdpa or triton")

@@ -1,16 +1,17 @@
 """The engine's `triton` attention backend: store K/V, then paged decode or prefill attention.
 
-Chosen by `make_backend("triton")`, and by `"auto"` on CUDA. On the CPU it runs only under
-Triton's interpreter (`TRITON_INTERPRET=1`), which is how its parity with `sdpa` is tested.
+Registered as `triton` (pegaserve.attention.registry, imported only when chosen: it needs triton),
+and what `auto` picks on CUDA. On the CPU it runs only under Triton's interpreter
+(`TRITON_INTERPRET=1`), which is how its parity with `sdpa` is tested.
 """
 
 from __future__ import annotations
 
 import torch
 
-from pegaserve.attention.backend import AttentionBackend, AttentionBatch
+from pegaserve.attention.backend import AttentionBackend, AttentionBatch, AttentionSpec
+from pegaserve.kernels import norm_rope
 from pegaserve.kernels.decode_attention import paged_decode_attention
-from pegaserve.kernels.norm_rope import qk_norm_rope
 from pegaserve.kernels.prefill_attention import prefill_attention
 from pegaserve.kernels.store_kv import store_kv
 
@@ -24,14 +25,11 @@ class TritonBackend(AttentionBackend):
     """
 
     name = "triton"
+    # one launch for both per-head norms and both rotations (pegaserve.kernels/norm_rope.py)
+    qk_norm_rope = staticmethod(norm_rope.qk_norm_rope)
 
     def __init__(self) -> None:
         self._memo: tuple[AttentionBatch, torch.Tensor] | None = None
-
-    def qk_norm_rope(self, q, k, q_norm, k_norm, rotary, positions):
-        """The fused kernel (pegaserve.kernels/norm_rope.py): one launch for both norms and both rotations."""
-        assert q_norm.eps == k_norm.eps
-        return qk_norm_rope(q, k, q_norm.weight, k_norm.weight, rotary.cos, rotary.sin, positions, q_norm.eps)
 
     def forward(
         self,
@@ -40,8 +38,9 @@ class TritonBackend(AttentionBackend):
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         kv_layer: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         batch: AttentionBatch,
-        scale: float,
+        spec: AttentionSpec,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        scale = spec.scale
         store_kv(k, v, kv_layer, batch.slot_mapping)
         if batch.is_decode:
             return paged_decode_attention(

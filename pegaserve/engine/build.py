@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from pegaserve.attention.backend import make_backend
+from pegaserve.attention.registry import AUTO, make_backend
 from pegaserve.engine.core import EngineConfig, EngineCore
 from pegaserve.models.config import ModelConfig
 from pegaserve.models.loader import load_model
@@ -15,11 +15,13 @@ from pegaserve.models.loader import load_model
 def load_engine(
     model_dir: str | Path,
     config: EngineConfig = EngineConfig(),
-    attention_backend: str = "auto",
+    attention_backend: str = AUTO,
     device: str = "cpu",
     dtype: torch.dtype | None = None,
 ) -> EngineCore:
-    """`dtype=None` serves the checkpoint's dtype on CUDA and float32 on CPU."""
+    """The family the checkpoint's config.json names (`pegaserve.models.registry`), attending through
+    the backend named `attention_backend` (`pegaserve.attention.registry`). `dtype=None` serves
+    the checkpoint's dtype on CUDA and float32 on CPU."""
     if dtype is None and device == "cpu":
         dtype = torch.float32
     cfg = ModelConfig.from_dir(model_dir, dtype=dtype)

@@ -1,4 +1,9 @@
-"""The model's shape, normalized once from a Hugging Face model directory."""
+"""The model's shape, normalized once from a Hugging Face model directory.
+
+Every family reads this one normalized config; which families exist is the registry's business
+(`pegaserve.models.registry`), so a config of any architecture normalizes here and an unknown one
+is refused where the model is built.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from pegaserve.models.layers import ROPE_INV_FREQ
 
 
 class ModelLoadError(ValueError):
@@ -29,6 +36,8 @@ class ModelConfig:
     max_position_embeddings: int
     eos_token_ids: frozenset[int]
     dtype: torch.dtype
+    architecture: str | None = None  # config.json's `architectures[0]` (the registry's key); None: it names none
+    rope_type: str = "default"  # a key of `layers.ROPE_INV_FREQ`
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, dtype: torch.dtype | None = None) -> "ModelConfig":
@@ -37,12 +46,10 @@ class ModelConfig:
         if not config_path.is_file():
             raise ModelLoadError(f"{model_dir}: no config.json (expected a Hugging Face model directory)")
         hf = json.loads(config_path.read_text())
-        if hf.get("model_type") != "qwen3":
-            raise ModelLoadError(f"{model_dir}: model_type {hf.get('model_type')!r} is not supported (qwen3)")
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ModelLoadError(f"{model_dir}: rope type {rope_type!r} is not supported (default)")
+        if rope_type not in ROPE_INV_FREQ:
+            raise ModelLoadError(f"{model_dir}: rope type {rope_type!r} is not supported ({', '.join(ROPE_INV_FREQ)})")
         num_heads = hf["num_attention_heads"]
         return cls(
             model_dir=model_dir,
@@ -59,6 +66,8 @@ class ModelConfig:
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             eos_token_ids=_eos_token_ids(model_dir, hf),
             dtype=dtype or _dtype(hf),
+            architecture=(hf.get("architectures") or [None])[0],
+            rope_type=rope_type,
         )
 
     def context_len(self, requested: int | None) -> int:

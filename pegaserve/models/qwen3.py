@@ -1,4 +1,5 @@
-"""Qwen3 in torch, in forward order, with Hugging Face parameter names.
+"""Qwen3 in torch, in forward order, with Hugging Face parameter names; the layers it shares with
+other families come from `layers`.
 
 No serving logic lives here: the model sees a flattened step of tokens (`input_ids`, `positions`)
 and an `AttentionBatch` saying where their K/V go; it returns hidden states. Logits are computed
@@ -8,48 +9,17 @@ only for the rows the caller asks for.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from pegaserve.attention.backend import AttentionBackend, AttentionBatch
+from pegaserve.attention.backend import AttentionBackend, AttentionBatch, AttentionSpec
 from pegaserve.cpu.lm_head import CpuLogits, ScreenedHead
 from pegaserve.models.config import ModelConfig
-from pegaserve.models.fused_linear import FusedLinear
+from pegaserve.models.layers import FusedLinear, GatedMLP, PagedAttention, RMSNorm, Rotary, qk_norm_rope
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+class Qwen3Attention(nn.Module):
+    """GQA with a per-head RMSNorm of q and k before RoPE (Qwen3's one change to Llama's)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-class Rotary(nn.Module):
-    """Rotate-half RoPE with a precomputed cos/sin table indexed by position."""
-
-    def __init__(self, head_dim: int, theta: float, max_positions: int) -> None:
-        super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x: [num_tokens, heads, head_dim]
-        cos = self.cos[positions][:, None, :].to(x.dtype)
-        sin = self.sin[positions][:, None, :].to(x.dtype)
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
-class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: Rotary, backend: AttentionBackend) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -60,46 +30,33 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.rotary = rotary
-        self.backend = backend
+        spec = AttentionSpec(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, scale=cfg.head_dim**-0.5)
+        self.attn = PagedAttention(backend, spec)
         self.qkv = FusedLinear(self.q_proj, self.k_proj, self.v_proj)  # one GEMM, the same three outputs
         self.out = FusedLinear(self.o_proj)
 
     def forward(self, x, positions, kv_layer, batch: AttentionBatch) -> torch.Tensor:
-        num_tokens = x.shape[0]
+        num_tokens = x.shape[0]  # x: [num_tokens, hidden]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv(x).split((q_size, kv_size, kv_size), dim=-1)
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)  # [num_tokens, heads, head_dim]
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, kv_heads, head_dim]
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.backend.qk_norm_rope(q, k, self.q_norm, self.k_norm, self.rotary, positions)  # norm, then RoPE
-        out = self.backend.forward(q, k, v, kv_layer, batch, scale=self.head_dim**-0.5)
-        return self.out(out.reshape(num_tokens, q_size))
+        q, k = qk_norm_rope(q, k, self.q_norm, self.k_norm, self.rotary, positions, self.attn.backend.qk_norm_rope)
+        out = self.attn(q, k, v, kv_layer, batch)  # [num_tokens, heads, head_dim]
+        return self.out(out.reshape(num_tokens, q_size))  # [num_tokens, hidden]
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.gate_up = FusedLinear(self.gate_proj, self.up_proj)
-        self.down = FusedLinear(self.down_proj)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
-
-
-class DecoderLayer(nn.Module):
+class Qwen3DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: Rotary, backend: AttentionBackend) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary, backend)
+        self.self_attn = Qwen3Attention(cfg, rotary, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, h, positions, kv_layer, batch):
-        h = h + self.self_attn(self.input_layernorm(h), positions, kv_layer, batch)
+        h = h + self.self_attn(self.input_layernorm(h), positions, kv_layer, batch)  # the residual stream
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -107,8 +64,8 @@ class Qwen3Model(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, backend) for _ in range(cfg.num_layers))
+        rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_type)  # one table, shared
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, rotary, backend) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids, positions, kv_cache, batch):

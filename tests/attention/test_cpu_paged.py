@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pegaserve.attention import cpu_paged
-from pegaserve.attention.backend import AttentionBatch, SdpaBackend
+from pegaserve.attention.backend import AttentionBatch, AttentionSpec, SdpaBackend
 from tests.helpers import kernel_marks
 
 pytestmark = kernel_marks("SDPA is used")
@@ -51,10 +51,10 @@ def test_a_step_mixing_decodes_and_a_prefill_chunk_equals_sdpa(monkeypatch):
     generator = torch.Generator().manual_seed(2)
     kv_layer = torch.randn(2, 32, 16, 2, 64, generator=generator)
     q, k, v = (torch.randn(44, h, 64, generator=generator) for h in (4, 2, 2))
-    backend = SdpaBackend()
-    found = backend.forward(q, k, v, kv_layer.clone(), batch, 0.125)
+    backend, spec = SdpaBackend(), AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=64, scale=0.125)
+    found = backend.forward(q, k, v, kv_layer.clone(), batch, spec)
     monkeypatch.setattr(cpu_paged, "_library", lambda: None)
-    torch.testing.assert_close(found, backend.forward(q, k, v, kv_layer.clone(), batch, 0.125), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(found, backend.forward(q, k, v, kv_layer.clone(), batch, spec), rtol=1e-5, atol=1e-5)
 
 
 def test_unsupported_inputs_fall_back():

@@ -6,6 +6,7 @@ compiled, in fp32/fp16/bf16, plus a few serving-sized ones.
 
 import pytest
 import torch
+
 from pegaserve.kernels.testing import kernel_devices, kernel_dtypes, kernels_unavailable_reason
 
 if (reason := kernels_unavailable_reason()) is not None:

@@ -3,6 +3,7 @@ gather (pack) / scatter (unpack) of whole blocks across all layers."""
 
 import pytest
 import torch
+
 from pegaserve.kernels.testing import kernel_devices, kernel_dtypes, kernels_unavailable_reason
 
 if (reason := kernels_unavailable_reason()) is not None:

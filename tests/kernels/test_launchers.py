@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from pegaserve.kernels.testing import kernel_devices, kernels_unavailable_reason
 
 if (reason := kernels_unavailable_reason()) is not None:

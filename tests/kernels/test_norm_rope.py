@@ -3,6 +3,7 @@
 
 import pytest
 import torch
+
 from pegaserve.kernels.testing import kernel_devices, kernel_dtypes, kernels_unavailable_reason
 
 if (reason := kernels_unavailable_reason()) is not None:
@@ -15,8 +16,7 @@ from pegaserve.kernels.norm_rope import (  # noqa: E402
     qk_norm_rope_reference,
 )
 from pegaserve.kernels.testing import noise, tolerance  # noqa: E402
-
-from pegaserve.models.qwen3 import RMSNorm, Rotary  # noqa: E402
+from pegaserve.models.layers import RMSNorm, Rotary  # noqa: E402
 
 DEVICE_DTYPES = [(d, t) for d in kernel_devices() for t in kernel_dtypes(d)]
 EPS = 1e-6

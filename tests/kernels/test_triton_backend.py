@@ -3,25 +3,31 @@ tokens of the whole engine on the tiny model (interpreted on CPU, compiled on CU
 
 import pytest
 import torch
+
 from pegaserve.kernels.testing import kernel_devices, kernels_unavailable_reason
 
 if (reason := kernels_unavailable_reason()) is not None:
     pytest.skip(reason, allow_module_level=True)
 
-from pegaserve.kernels.testing import make_paged_batch, random_qkv  # noqa: E402
-
-from pegaserve.attention.backend import AttentionBatch, SdpaBackend, make_backend  # noqa: E402
+from pegaserve.attention.backend import AttentionBatch, AttentionSpec, SdpaBackend  # noqa: E402
+from pegaserve.attention.registry import backend_class, make_backend  # noqa: E402
 from pegaserve.attention.triton import TritonBackend  # noqa: E402
 from pegaserve.engine.build import load_engine  # noqa: E402
 from pegaserve.engine.core import EngineConfig  # noqa: E402
+from pegaserve.kernels.testing import make_paged_batch, random_qkv  # noqa: E402
 from tests.helpers import PROMPTS, greedy_request, run_to_completion, token_ids  # noqa: E402
 
 NEW_TOKENS = 4
 
 
 def test_make_backend_selects_triton():
+    assert backend_class("triton") is TritonBackend
     assert isinstance(make_backend("triton"), TritonBackend)
     assert make_backend("triton").name == "triton"
+
+
+def test_auto_picks_triton_on_cuda_else_sdpa():
+    assert type(make_backend("auto")) is (TritonBackend if torch.cuda.is_available() else SdpaBackend)
 
 
 @pytest.mark.parametrize("device", kernel_devices())
@@ -41,8 +47,9 @@ def test_backend_forward_equals_sdpa(device, query_lens, context_lens):
     )
     q, k, v = random_qkv(sum(query_lens), 4, 2, 32, torch.float32, device)
     cache_triton, cache_sdpa = paged.kv_layer.clone(), paged.kv_layer.clone()
-    out = TritonBackend().forward(q, k, v, cache_triton, batch, scale=0.17)
-    expected = SdpaBackend().forward(q, k, v, cache_sdpa, batch, scale=0.17)
+    spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=32, scale=0.17)
+    out = TritonBackend().forward(q, k, v, cache_triton, batch, spec)
+    expected = SdpaBackend().forward(q, k, v, cache_sdpa, batch, spec)
     assert torch.equal(cache_triton, cache_sdpa)
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
 

@@ -197,7 +197,7 @@ def test_transformers_loads_and_runs(model_dir: Path) -> None:
 
 def test_default_models_root(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv(dm.MODELS_DIR_ENV, raising=False)
-    assert dm.default_models_root() == Path(dm.__file__).resolve().parent.parent / "models"
+    assert dm.default_models_root() == Path(dm.__file__).resolve().parents[2] / "models"  # <repo root>/models
     monkeypatch.setenv(dm.MODELS_DIR_ENV, str(tmp_path))
     assert dm.default_models_root() == tmp_path
 
