@@ -160,9 +160,8 @@ def decode_sweep(check: Check, section: Section) -> None:
 
 
 def _sweep(check: Check, cases, plans, shape: AttentionShape, top: int) -> list[str]:
-    from pegaserve.kernels.decode_attention import _plan_launch
-
     from benchmarks import kernels as bench
+    from pegaserve.kernels.decode_attention import _plan_launch
 
     summary = [
         "| case | default plan | default µs | best plan | best µs | default / best time |",

@@ -24,9 +24,9 @@ import time
 from collections.abc import AsyncIterator
 
 from pegaserve.api.app import build_app
-from pegaserve.api.services import EngineClient, LocalLedgerClient
 from pegaserve.api.frontend import Frontend
 from pegaserve.api.model_info import model_info, served_name
+from pegaserve.api.services import EngineClient, LocalLedgerClient
 from pegaserve.models.config import ModelConfig
 from pegaserve.models.tiny import DEFAULT_MODEL_NAME, ensure_model_dir
 from pegaserve.request import EngineRequest, SampledToken, StepOutput

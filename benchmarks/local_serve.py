@@ -80,12 +80,13 @@ class LocalServe:
 
     def deploy(self, name: str, args: dict, num_prefill: int = 1, num_decode: int = 1) -> str:
         """Deploy the pegaserve app `args` (deployments/config.py `AppArgs`) at /`name`; its URL."""
+        from ray import serve  # noqa: PLC0415
+
         from pegaserve.deployments.colocated import Colocated  # noqa: PLC0415
         from pegaserve.deployments.config import AppArgs  # noqa: PLC0415
         from pegaserve.deployments.decode import Decode  # noqa: PLC0415
         from pegaserve.deployments.ingress import Ingress  # noqa: PLC0415
         from pegaserve.deployments.prefill import Prefill  # noqa: PLC0415
-        from ray import serve  # noqa: PLC0415
 
         plain = AppArgs.model_validate(args).model_dump(mode="json")
         ingress = Ingress.options(ray_actor_options=INGRESS_OPTIONS, max_ongoing_requests=256)

@@ -5,12 +5,13 @@ Each deployment's replicas, autoscaling and `ray_actor_options` come from the YA
 
 from __future__ import annotations
 
+from ray.serve import Application
+
 from pegaserve.deployments.colocated import Colocated
 from pegaserve.deployments.config import AppArgs
 from pegaserve.deployments.decode import Decode
 from pegaserve.deployments.ingress import Ingress
 from pegaserve.deployments.prefill import Prefill
-from ray.serve import Application
 
 
 def build_app(args: dict) -> Application:

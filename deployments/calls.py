@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import ray
-from pegaserve.deployments.channel import Address
-from pegaserve.deployments.handoff.protocol import Lease
 
+from pegaserve.net.channel import Address
+from pegaserve.pd.protocol import Lease
 from pegaserve.request import EngineRequest, SampledToken, StepOutput
 
 T = TypeVar("T")

@@ -1,5 +1,5 @@
 """The ingress's engine clients over Serve: P/D (prefill first, decode only for a non-terminal
-first token, docs/CONTRACT.md rule 21) and colocated; and its ledger client.
+first token, docs/contract.md rule 21) and colocated; and its ledger client.
 
 Tokens come back through the ingress's `TokenInbox`, one frame per engine step. A request whose
 replica dies (or whose stream breaks) after tokens were sent resumes on another replica from
@@ -16,18 +16,18 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 
-from pegaserve.deployments.calls import Choices, ColocatedCall, DecodeCall, PrefillResult, pack, unpack
-from pegaserve.deployments.channel import Address, Connection, connect
-from pegaserve.deployments.handoff.protocol import ReleaseLease
-from pegaserve.deployments.ledger import LedgerBuffer, stats_board
-from pegaserve.deployments.metrics import MigrationMetrics
-from pegaserve.deployments.tokens import TokenInbox
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 
 from pegaserve.api.services import EngineClient, LedgerClient
+from pegaserve.deployments.calls import Choices, ColocatedCall, DecodeCall, PrefillResult, pack, unpack
+from pegaserve.deployments.ledger import LedgerBuffer, stats_board
+from pegaserve.deployments.metrics import MigrationMetrics
 from pegaserve.engine.core import EngineOverloaded, RequestRejected
 from pegaserve.ledger import Finished, LedgerEvent, Migrated, Prefilled
+from pegaserve.net.channel import Address, Connection, connect
+from pegaserve.net.tokens import TokenInbox
+from pegaserve.pd.protocol import ReleaseLease
 from pegaserve.request import EngineRequest, SampledToken, StepOutput
 from pegaserve.sched.stream_interval import StreamInterval
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from pegaserve.deployments.calls import ColocatedCall, unpack
-from pegaserve.deployments.engine_server import EngineServer
-from pegaserve.deployments.replica import QUIET
 from ray import serve
 
 from pegaserve.config import Role
+from pegaserve.deployments.calls import ColocatedCall, unpack
+from pegaserve.deployments.engine_server import EngineServer
+from pegaserve.deployments.replica import QUIET
 from pegaserve.engine import commands
 
 

@@ -7,11 +7,18 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+import pegaserve.deployments.transports  # noqa: F401 - registers the Ray-backed KV transports
 from pegaserve.api.model_info import served_name
+from pegaserve.attention.registry import AUTO, check_backend_name
 from pegaserve.config import EngineConfig, Limits, SpeculativeConfig
 from pegaserve.models.tiny import DEFAULT_MODEL_NAME, ensure_model_dir
+from pegaserve.pd.transports.registry import (
+    DEFAULT_TRANSPORT,
+    check_transport_name,
+    describe_transports,
+    transport_class,
+)
 
-Transport = Literal["shm", "gloo", "nccl", "object_store"]
 API_KEYS_ENV = "PEGASERVE_API_KEYS"
 # every default below is pegaserve.config's, written there once
 ENGINE, SPECULATIVE, LIMITS = EngineConfig(), SpeculativeConfig(), Limits()
@@ -27,7 +34,8 @@ class EngineArgs(BaseModel):
         ENGINE.max_num_batched_tokens, ge=1, description="tokens per engine step; longer prompts are prefilled in chunks of this size")
     max_queued_requests: int = Field(ENGINE.max_queued_requests, ge=1, description="waiting requests per replica before 429")
     max_model_len: int | None = Field(ENGINE.max_model_len, ge=2, description="context length; default: the model's")
-    attention_backend: Literal["auto", "sdpa", "triton"] = "auto"
+    attention_backend: str = Field(AUTO, description="a registered attention backend (pegaserve.attention.registry): "
+                                   "sdpa (torch) or triton; auto: triton on CUDA, else sdpa")
     device: Literal["cpu", "cuda"] = "cpu"
     torch_threads: int = Field(1, ge=1, description="intra-op threads of each replica's engine process")
     enable_prefix_caching: bool = Field(ENGINE.enable_prefix_caching, description="reuse the KV of cached prompt prefixes")
@@ -36,6 +44,11 @@ class EngineArgs(BaseModel):
     scheduling_policy: Literal["fcfs", "priority"] = Field(
         ENGINE.scheduling_policy, description="fcfs: first come, first served; priority: by each request's `priority` (lower "
         "first), then arrival, preempting lower-priority running requests for higher ones (vLLM's policies)")
+
+    @field_validator("attention_backend")
+    @classmethod
+    def _known_attention_backend(cls, name: str) -> str:
+        return check_backend_name(name)
 
 
 class SpeculativeArgs(BaseModel):
@@ -77,12 +90,12 @@ class AppArgs(BaseModel):
 
     model: str = Field(DEFAULT_MODEL_NAME, description="qwen3-tiny (built locally) or a local HF model directory")
     mode: Literal["pd", "colocated"] = Field("pd", description="prefill/decode disaggregated, or one engine")
-    transport: Transport = Field(
-        "shm", description="how KV moves from prefill to decode: shm (shared memory between replicas of one node, "
-        "gloo across nodes), gloo, nccl (GPUs) or object_store")
+    transport: str = Field(
+        DEFAULT_TRANSPORT, description=f"how KV moves from prefill to decode: {describe_transports()} "
+        "(a registered KV transport, pegaserve.pd.transports.registry)")
     push_kv: bool = Field(
-        True, description="gloo: a prefill replica paired with one decode replica sends each prompt's KV as it "
-        "leases it, before decode asks (deployments/handoff/push.py); off: decode fetches it")
+        True, description="where the transport pushes: a prefill replica paired with one decode replica sends each "
+        "prompt's KV as it leases it, before decode asks (pegaserve/pd/push.py); off: decode fetches it")
     transfer_timeout_s: float = Field(30.0, gt=0, description="a KV transfer that takes longer fails")
     lease_timeout_s: float = Field(ENGINE.lease_timeout_s, ge=0, description="prefill frees a prompt's unfetched KV after this")
     stream_interval: int = Field(
@@ -118,15 +131,14 @@ class AppArgs(BaseModel):
             raise ValueError(str(exc)) from exc
         return model
 
+    @field_validator("transport")
+    @classmethod
+    def _known_transport(cls, name: str) -> str:
+        return check_transport_name(name)
+
     @model_validator(mode="after")
     def _transport_can_run(self) -> "AppArgs":
-        if self.transport == "nccl":
-            if self.engine.device != "cuda":
-                raise ValueError("transport nccl needs engine.device: cuda (use gloo or object_store on CPU)")
-            try:
-                import cupy  # noqa: F401, PLC0415 - only to prove the GPU extra is installed
-            except ImportError as exc:
-                raise ValueError("transport nccl needs cupy: pip install 'pegaserve[gpu]'") from exc
+        transport_class(self.transport).check(self.engine.device)
         if self.engine.device == "cuda":
             import torch  # noqa: PLC0415
 

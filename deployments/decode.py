@@ -4,17 +4,18 @@ them), and stream every step's tokens to the ingress."""
 
 from __future__ import annotations
 
-from pegaserve.deployments.calls import DecodeCall, unpack
-from pegaserve.deployments.engine_server import EngineServer
-from pegaserve.deployments.handoff.protocol import Lease
-from pegaserve.deployments.handoff.receiver import KvReceiver
-from pegaserve.deployments.metrics import TransferMetrics
-from pegaserve.deployments.replica import QUIET
 from ray import serve
 
 from pegaserve.config import Role
+from pegaserve.deployments.calls import DecodeCall, unpack
+from pegaserve.deployments.engine_server import EngineServer
+from pegaserve.deployments.metrics import TransferMetrics
+from pegaserve.deployments.node import this_node
+from pegaserve.deployments.replica import QUIET
 from pegaserve.engine import commands
 from pegaserve.ledger import Fallback, KvReceived
+from pegaserve.pd.protocol import Lease
+from pegaserve.pd.receiver import KvReceiver
 from pegaserve.request import Handoff
 
 
@@ -22,9 +23,9 @@ from pegaserve.request import Handoff
 class Decode(EngineServer):
     def __init__(self, args: dict) -> None:
         super().__init__(args, Role.DECODE, "Decode")
-        self.receiver = KvReceiver(self.engine, self.name, self.args.transport, self.args.transfer_timeout_s)
-        used = {"shm": ("shm", "gloo")}.get(self.args.transport, (self.args.transport,))  # shm: gloo across nodes
-        self.transfers = TransferMetrics(self.args.served_name, "Decode", used)
+        self.receiver = KvReceiver(self.engine, self.name, self.args.transport, self.args.transfer_timeout_s,
+                                   node=this_node())
+        self.transfers = TransferMetrics(self.args.served_name, "Decode", self.receiver.transport.names)
 
     async def generate(self, packed_call: bytes) -> None:
         """Run a packed `DecodeCall` (deployments/calls.py): continue its choices (each with its
@@ -52,20 +53,21 @@ class Decode(EngineServer):
                        transfer.pushed)
 
     async def _receive_in_engine(self, handoff: Handoff, lease: Lease) -> None:
-        """shm on one node: the engine copies the blocks out of the prefill engine's cache as it
+        """On one node: the engine copies the blocks out of the prefill engine's cache as it
         admits the request, so the request runs in the next step."""
         choice_ids = tuple(handoff.choice_ids)
+        transport = self.receiver.transport_for(lease)
         source = commands.SharedKv(lease.shared.path, lease.shared.shape, lease.parked)
         receipt = await self.engine.call(commands.AddSharedHandoff(handoff, source))
         if receipt is None:
             self.receiver.release(lease)
-            return self._fell_back(handoff, "shm", "no free blocks to import")
+            return self._fell_back(handoff, transport, "no free blocks to import")
         kv_bytes = receipt.num_blocks * lease.block_bytes
         await self.receiver.copied(lease, choice_ids, kv_bytes, receipt.seconds, receipt.held)  # prefill frees
         if not receipt.held:
-            return self._fell_back(handoff, "shm", "lease expired or unknown")
+            return self._fell_back(handoff, transport, "lease expired or unknown")
         first_block = len(lease.parked.block_ids) - receipt.num_blocks
-        self._received(handoff, lease, "shm", kv_bytes, receipt.seconds, first_block)
+        self._received(handoff, lease, transport, kv_bytes, receipt.seconds, first_block)
 
     def _received(self, handoff: Handoff, lease: Lease, transport: str, kv_bytes: int, seconds: float,
                   first_block: int, pushed: bool = False) -> None:

@@ -7,16 +7,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable
 
+from pegaserve.config import Role
 from pegaserve.deployments.calls import Choices
-from pegaserve.deployments.channel import Address
 from pegaserve.deployments.config import AppArgs
 from pegaserve.deployments.metrics import EngineMetrics
 from pegaserve.deployments.replica import check_engine, ledger_buffer, post_stats_forever, replica_name, start_engine
-from pegaserve.deployments.tokens import TokenRouter
-
-from pegaserve.config import Role
 from pegaserve.engine import commands
 from pegaserve.heap import freeze_startup_heap
+from pegaserve.net.channel import Address
+from pegaserve.net.tokens import TokenRouter
 from pegaserve.request import EngineRequest, Handoff
 
 

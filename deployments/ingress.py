@@ -6,21 +6,22 @@ from __future__ import annotations
 
 import asyncio
 
-from pegaserve.deployments.clients import ActorLedgerClient, ColocatedClient, DisaggregatedClient
-from pegaserve.deployments.config import AppArgs
-from pegaserve.deployments.metrics import HttpStatusMetrics, IngressMetrics
-from pegaserve.deployments.replica import ledger_buffer, replica_name
-from pegaserve.deployments.response_store import ActorResponseStore
-from pegaserve.deployments.tokens import TokenInbox
 from ray import serve
 
 from pegaserve.api.app import build_app
 from pegaserve.api.frontend import Frontend
 from pegaserve.api.model_info import model_info
 from pegaserve.config import Limits
+from pegaserve.deployments.clients import ActorLedgerClient, ColocatedClient, DisaggregatedClient
+from pegaserve.deployments.config import AppArgs
+from pegaserve.deployments.metrics import HttpStatusMetrics, IngressMetrics
+from pegaserve.deployments.node import node_ip
+from pegaserve.deployments.replica import ledger_buffer, replica_name
+from pegaserve.deployments.response_store import ActorResponseStore
 from pegaserve.heap import freeze_startup_heap
 from pegaserve.models.config import ModelConfig
 from pegaserve.models.tiny import ensure_model_dir
+from pegaserve.net.tokens import TokenInbox
 from pegaserve.tokenizer import Tokenizer
 
 
@@ -33,7 +34,7 @@ class Ingress:
         model_dir = ensure_model_dir(self.args.model)
         tokenizer = Tokenizer(model_dir)
         info = model_info(self.args.served_name, ModelConfig.from_dir(model_dir), self.args.engine.max_model_len)
-        self.inbox = TokenInbox()
+        self.inbox = TokenInbox(node_ip())
         await self.inbox.start()
         buffer = ledger_buffer(self.args, self.name)
         self._heartbeat = asyncio.ensure_future(buffer.heartbeat_forever(self.args.ledger_orphan_timeout_s))

@@ -2,7 +2,7 @@
 replica records through, and the board where replicas post their engine stats (one owner each:
 the ledger keeps request records, the board keeps replica stats).
 
-Events reach the ledger on a direct connection per replica (deployments/channel.py), not as Ray
+Events reach the ledger on a direct connection per replica (pegaserve/net/channel.py), not as Ray
 calls: on the 2-core dev machine a Ray actor call costs its caller ~1.5 ms of CPU and the actor
 ~1 ms, a frame a socket write; with a few calls per request from the ingress, prefill and decode
 replicas that was ~0.07 CPU-ms per output token. Reads (`get`, `summary`) and heartbeats, rare,
@@ -17,9 +17,10 @@ import logging
 import time
 
 import ray
-from pegaserve.deployments.channel import Address, Connection, Listener, connect
 
+from pegaserve.deployments.node import node_listener
 from pegaserve.ledger import Ledger, LedgerEvent
+from pegaserve.net.channel import Address, Connection, connect
 
 log = logging.getLogger("ray.serve")
 LEDGER_NAME = "pegaserve-ledger"
@@ -39,7 +40,7 @@ class LedgerActor:
     def __init__(self, max_records: int = 10_000, journal: str | None = None) -> None:
         self.ledger = Ledger(max_records, journal)
         self.alive_until: dict[str, float] = {}  # an ingress -> when its silence means it died
-        self._listener = Listener(self._serve)
+        self._listener = node_listener(self._serve)
         self._listening: asyncio.Future | None = None
 
     async def channel(self) -> Address:

@@ -29,7 +29,6 @@ LATENCY_BUCKETS_S = [0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03
                      0.25, 0.5, 0.75, 1, 1.5, 2.5, 5, 7.5, 10, 15, 20, 30, 45, 60, 90, 120]
 TAGS = ("model", "deployment")
 ITL_BATCH = 256  # inter-token gaps held before they go into the histogram (also at each finish)
-TRANSPORTS = ("shm", "gloo", "object_store", "nccl")
 EVERY_CAUSE: tuple[StopCause, ...] = (Eos(0), Token(0), String(""), Length(), Abort(), Error(""))
 
 
@@ -163,9 +162,9 @@ class EngineMetrics:
 
 class TransferMetrics:
     """KV handoff bytes and seconds by transport, and fallbacks to recompute. `model` is the served
-    name; `transports` are those whose series start at 0 (pass the configured one)."""
+    name; `transports` are those whose series start at 0 (the configured one's `KvTransport.names`)."""
 
-    def __init__(self, model: str, deployment: str, transports: Sequence[str] = TRANSPORTS) -> None:
+    def __init__(self, model: str, deployment: str, transports: Sequence[str]) -> None:
         self.base = {"model": model, "deployment": deployment}
         self.bytes = counter("pegaserve_kv_transfer_bytes_total", "KV bytes moved prefill -> decode", self.base,
                              ("transport",))

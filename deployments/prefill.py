@@ -1,15 +1,18 @@
 """The prefill deployment: prompt forward, first tokens sampled and classified, the KV kept under
-a lease and sent to whichever decode replica claims it (docs/CONTRACT.md rules 21-22)."""
+a lease and sent to whichever decode replica claims it (docs/contract.md rules 21-22)."""
 
 from __future__ import annotations
 
 import asyncio
 
+from ray import serve
+
+from pegaserve.config import Role
 from pegaserve.deployments.calls import PrefillResult, pack, unpack
 from pegaserve.deployments.config import AppArgs
-from pegaserve.deployments.handoff.sender import KvSender
 from pegaserve.deployments.ledger import stats_board
 from pegaserve.deployments.metrics import EngineMetrics
+from pegaserve.deployments.node import this_node
 from pegaserve.deployments.replica import (
     QUIET,
     check_engine,
@@ -18,10 +21,8 @@ from pegaserve.deployments.replica import (
     replica_name,
     start_engine,
 )
-from ray import serve
-
-from pegaserve.config import Role
 from pegaserve.heap import freeze_startup_heap
+from pegaserve.pd.sender import KvSender
 from pegaserve.request import EngineRequest
 from pegaserve.testing.hook import active_doubles
 
@@ -35,7 +36,7 @@ class Prefill:
         self.ledger = ledger_buffer(self.args, self.name)
         doubles = active_doubles()
         self.sender = KvSender(self.engine, self.name, self.args.transport, self.args.transfer_timeout_s, self.ledger,
-                               doubles.delay_kv_send_s if doubles else 0.0, push=self.args.push_kv)
+                               doubles.delay_kv_send_s if doubles else 0.0, push=self.args.push_kv, node=this_node())
         await self.sender.start()
         metrics = EngineMetrics(self.args.served_name, "Prefill", self.name)
         stats_board().announce.remote(self.name, self.sender.address)  # where ingresses send releases

@@ -7,13 +7,13 @@ import asyncio
 import logging
 
 import torch
-from pegaserve.deployments.config import AppArgs
-from pegaserve.deployments.ledger import LedgerBuffer, ledger_actor, stats_board
-from pegaserve.deployments.metrics import EngineMetrics
 from ray import serve
 from ray.serve.schema import LoggingConfig
 
 from pegaserve.config import EngineConfig, Role, SpeculativeConfig
+from pegaserve.deployments.config import AppArgs
+from pegaserve.deployments.ledger import LedgerBuffer, ledger_actor, stats_board
+from pegaserve.deployments.metrics import EngineMetrics
 from pegaserve.engine.async_engine import AsyncEngine, StepSink
 from pegaserve.engine.core import EngineStats
 from pegaserve.engine.process import EngineRecipe, ProcessLink, build_engine

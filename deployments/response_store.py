@@ -4,9 +4,9 @@ shared by every ingress replica: a response stored through one is continued thro
 from __future__ import annotations
 
 import ray
-from pegaserve.deployments.ledger import NAMESPACE, DetachedCalls
 
 from pegaserve.api.responses.store import MemoryResponseStore, ResponseStore
+from pegaserve.deployments.ledger import NAMESPACE, DetachedCalls
 
 RESPONSE_STORE_NAME = "pegaserve-responses"
 

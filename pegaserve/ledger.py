@@ -66,7 +66,7 @@ class KvReceived:
     seconds: float
     decode_replica: str
     cached_bytes: int = 0  # prompt KV decode already held in its prefix cache: not moved
-    pushed: bool = False  # prefill sent it before decode asked (deployments/handoff/push.py)
+    pushed: bool = False  # prefill sent it before decode asked (pegaserve/pd/push.py)
 
 
 @dataclass(frozen=True)

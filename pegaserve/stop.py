@@ -1,4 +1,4 @@
-"""The typed stop causes and the token-level stop policy of docs/CONTRACT.md (rules 1-7).
+"""The typed stop causes and the token-level stop policy of docs/contract.md (rules 1-7).
 
 A `StopCause` is decided once, by the component that sees the trigger, and travels typed to the
 ledger and to the wire; nothing downstream re-derives it by comparing reason names.

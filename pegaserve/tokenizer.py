@@ -2,7 +2,7 @@
 
 Encoding and the chat template come from transformers' fast tokenizer; incremental decoding uses
 `tokenizers`' `DecodeStream`, which holds a partial UTF-8 character until it completes
-(docs/CONTRACT.md rule 14).
+(docs/contract.md rule 14).
 """
 
 from __future__ import annotations

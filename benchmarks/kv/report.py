@@ -8,7 +8,7 @@ import statistics
 from pathlib import Path
 
 from benchmarks.kv.transport import IDLE_S
-from benchmarks.reports import kept_notes, machine
+from benchmarks.reports import RESULTS_DIR, kept_notes, link, machine
 
 
 def _median(values) -> float | None:
@@ -79,15 +79,16 @@ def _ttft_table(result: dict) -> list[str]:
     return lines
 
 
-def write_kv_report(result: dict, path: Path) -> None:
+def write_kv_report(result: dict, path: Path, raw_path: Path = RESULTS_DIR / "kv.json") -> None:
+    """KV.md at `path`, linking to the raw figures at `raw_path`."""
     m = machine()
     settings = result["settings"]
     notes = kept_notes(path)
     lines = [
         "# KV handoff figures", "",
         f"Written by `make bench-kv` (`benchmarks/kv/`) on {datetime.date.today().isoformat()}; total run "
-        f"{settings['total_s']:.0f} s. Raw figures: `kv.json`. Throughput and latency under load: "
-        "[RESULTS.md](RESULTS.md).", "",
+        f"{settings['total_s']:.0f} s. Raw figures: [kv.json]({link(raw_path, path.parent)}). Throughput and "
+        "latency under load: [RESULTS.md](RESULTS.md).", "",
         f"**Machine**: `nproc` = {m['nproc']}, {m['cpu_model']}, {m['ram_gib']:.1f} GiB RAM, torch {m['torch']} (CPU), "
         "shared with other work. gloo pairs: "
         + ("native (C++)." if settings.get("native_handoff") else "the Python protocol (the C++ side did not build)."),
@@ -104,11 +105,11 @@ def write_kv_report(result: dict, path: Path) -> None:
         "engine is waited for) — shm: the decode engine copies the blocks straight out of the prefill engine's cache "
         "in shared memory and checks them, between two of its steps, as it admits the request; gloo: prefill, paired "
         "with this one decode replica, pushes each prompt's blocks as it leases them (`push_kv`, the default: "
-        "deployments/handoff/push.py), and decode copies what landed into its blocks, waiting for the rest where it "
+        "pegaserve/pd/push.py), and decode copies what landed into its blocks, waiting for the rest where it "
         "has not all landed (the fallbacks column counts the pushed handoffs; the first request of a run opens the "
         "pair and fetches); a fetch: decode posts its receives and sends the fetch on the pair itself, and "
         "prefill's thread for that pair sends (runs of blocks as slabs cache to cache, else packed layer by layer) "
-        "and then its verdict, both sides in C++ where `deployments/handoff/native.py` built (the machine line "
+        "and then its verdict, both sides in C++ where `pegaserve/pd/transports/native.py` built (the machine line "
         "says); object store: decode's get and unpack. "
         "**raw** = the same bytes between two plain Ray actors with nothing else (`benchmarks/kv/transport.py`): "
         "gloo is one `ProcessGroupGloo` send/recv (the `GlooPair` the app uses), timed on the receiver, the sender "

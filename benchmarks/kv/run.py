@@ -9,7 +9,7 @@ no transport of its own to time, is held against raw gloo (what it replaces on o
 same prompts, for TTFT. P/D sends its first token from prefill, before any KV moves, so the
 handoff shows in the time to the *second* token; both are reported.
 
-Writes docs/bench/kv.json and docs/bench/KV.md.
+Writes benchmarks/results/kv.json and docs/bench/KV.md.
 
     python -m benchmarks.kv [--lengths 128,512,2048] [--repeats 10] [--transports shm,gloo,object_store]
 """
@@ -28,8 +28,8 @@ import httpx
 import torch
 
 from benchmarks.kv.report import write_kv_report
-from benchmarks.reports import DOCS_DIR
-from pegaserve.deployments.handoff import native
+from benchmarks.reports import DOCS_DIR, RESULTS_DIR
+from pegaserve.pd.transports import native
 
 TRANSPORTS = ("shm", "gloo", "object_store")
 RAW_OF = {"shm": "gloo"}  # the raw transport a handoff is held against
@@ -53,7 +53,7 @@ class Sample:
     kv_bytes: int | None = None
     handoff_s: float | None = None
     fallback: str | None = None
-    pushed: bool = False  # gloo: prefill sent the KV before decode asked (deployments/handoff/push.py)
+    pushed: bool = False  # gloo: prefill sent the KV before decode asked (pegaserve/pd/push.py)
 
 
 def make_prompt(num_tokens: int, index: int) -> list[int]:
@@ -130,7 +130,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=REPEATS, help="timed requests per length and app")
     parser.add_argument("--transports", default=",".join(TRANSPORTS), help="the P/D apps' transports")
     parser.add_argument("--no-colocated", action="store_true", help="skip the colocated app (no TTFT comparison)")
-    parser.add_argument("--out", type=Path, default=DOCS_DIR)
+    parser.add_argument("--out", type=Path, default=DOCS_DIR, help="where KV.md goes")
+    parser.add_argument("--results", type=Path, default=RESULTS_DIR, help="where kv.json goes")
     args = parser.parse_args(argv)
 
     from benchmarks.kv.transport import raw_bandwidth  # noqa: PLC0415
@@ -165,8 +166,9 @@ def main(argv: list[str] | None = None) -> None:
         "raw": {t: [{**dataclasses.asdict(f), "gb_per_s": f.gb_per_s} for f in figures] for t, figures in raw.items()},
     }  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "kv.json").write_text(json.dumps(result, indent=1) + "\n")
-    write_kv_report(result, args.out / "KV.md")
+    args.results.mkdir(parents=True, exist_ok=True)
+    (args.results / "kv.json").write_text(json.dumps(result, indent=1) + "\n")
+    write_kv_report(result, args.out / "KV.md", args.results / "kv.json")
     print(f"bench-kv done in {total_s:.0f}s: {args.out / 'KV.md'}", flush=True)
 
 

@@ -2,7 +2,7 @@
 
 The yardstick for the handoff figures in `benchmarks.kv.run`: the same number of bytes, moved the way the
 transport moves them, without Serve, leases, the KV port or the engine around it.
-- gloo: `pegaserve.deployments.handoff.transports.GlooPair` (torch.distributed ProcessGroupGloo over TCP, 127.0.0.1),
+- gloo: `pegaserve.pd.transports.gloo.GlooPair` (torch.distributed ProcessGroupGloo over TCP, 127.0.0.1),
   one tensor send on rank 0, the matching recv on rank 1, timed on the receiver, two ways: `one-way`, the
   sender sending back to back (the bandwidth: the receiver's clock starts with the bytes already on their way),
   and `request`, the least any fetch can do: the receiver posts its receive and sends a 4-byte request, the
@@ -52,13 +52,13 @@ class RawFigure:
 class GlooEnd:
     def offer(self) -> tuple[str, int]:
         """Rank 0: open the pair's rendezvous, as prefill does; where rank 1 joins it."""
-        from pegaserve.deployments.handoff.transports import GlooPair  # noqa: PLC0415
+        from pegaserve.pd.transports.gloo import GlooPair  # noqa: PLC0415
 
         self.store = GlooPair.offer(TIMEOUT_S)
         return ray.util.get_node_ip_address(), self.store.port
 
     def open(self, rank: int, host: str | None = None, port: int | None = None) -> None:
-        from pegaserve.deployments.handoff.transports import GlooPair  # noqa: PLC0415
+        from pegaserve.pd.transports.gloo import GlooPair  # noqa: PLC0415
 
         store = self.store if rank == 0 else GlooPair.join(host, port, TIMEOUT_S)
         self.pair = GlooPair(store, rank, TIMEOUT_S)

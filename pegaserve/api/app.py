@@ -30,8 +30,8 @@ from pegaserve.api.protocol import (
     SamplingKnobs,
     TokenizeRequest,
 )
-from pegaserve.api.responses.view import ResponseView
 from pegaserve.api.responses.endpoint import continued, responses_job
+from pegaserve.api.responses.view import ResponseView
 from pegaserve.api.stored_chats import page
 from pegaserve.api.validation import check_model
 

@@ -11,7 +11,7 @@ the best score, cum_logprob / length ** length_penalty, where the length counts 
 the output less an EOS that ended it (vLLM's and transformers' score), best first.
 
 A choice's tokens run through its trigger, and its text is what a `ChoiceStream` makes of them,
-as for any other choice (docs/CONTRACT.md, rules 7-14); every choice comes out whole, at the end.
+as for any other choice (docs/contract.md, rules 7-14); every choice comes out whole, at the end.
 """
 
 from __future__ import annotations

@@ -13,15 +13,15 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, replace
 
-from pegaserve.api.responses.background import BackgroundResponses
 from pegaserve.api.beam import BeamPlan, beam_search, final_output, num_alternatives
 from pegaserve.api.choice import ChoiceDelta, ChoiceStream
-from pegaserve.api.services import EngineClient, LedgerClient
 from pegaserve.api.errors import ApiError
 from pegaserve.api.ledger_view import ledger_view
 from pegaserve.api.model_info import ModelInfo
 from pegaserve.api.observer import RequestObserver
+from pegaserve.api.responses.background import BackgroundResponses
 from pegaserve.api.responses.store import MemoryResponseStore, ResponseStore
+from pegaserve.api.services import EngineClient, LedgerClient
 from pegaserve.api.stored_chats import StoredChat, StoredChats
 from pegaserve.api.validation import PromptPlan
 from pegaserve.api.wire import ChoiceResult, Usage, Wire

@@ -1,4 +1,4 @@
-"""From a parsed body to what the engine runs: every docs/CONTRACT.md validation rule, and every
+"""From a parsed body to what the engine runs: every docs/contract.md validation rule, and every
 parameter's range, lives here, so bad input never reaches an engine. Each refusal is a 400 naming
 the parameter."""
 

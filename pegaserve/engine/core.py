@@ -3,7 +3,7 @@ scheduler, which classifies them and returns each choice's output.
 
 One engine class serves three roles. `both` (colocated) prefills and decodes; `prefill` samples
 and classifies the first token, then parks the request's blocks for export (or finishes it there
-when that token is terminal, docs/CONTRACT.md rule 21); `decode` takes a prompt's blocks with the
+when that token is terminal, docs/contract.md rule 21); `decode` takes a prompt's blocks with the
 first token (rule 22) and continues after it — or recomputes the prompt when no KV came.
 """
 

@@ -9,7 +9,7 @@ pickles (the two processes trust each other as a process trusts itself).
 
 The KV cache lives in a file in shared memory, mapped by both: the replica moves a handoff's blocks
 in and out of it directly, never through the engine loop, and a decode replica on the same node may
-map it too (the `shm` transport). The file is removed when the replica shuts down or the engine
+map it too (the shared-memory KV transport). The file is removed when the replica shuts down or the engine
 exits; one left by processes that were killed outright is removed by the next engine that starts on
 the node. The child exits when its command socket closes (its replica died or shut down); the
 replica sees the child's exit as EOF and fails what was in flight (`EngineDead`), and its health
@@ -98,7 +98,7 @@ def _share(engine) -> tuple:
 
         return ("cuda", path, shape, cache.dtype, reduce_tensor(cache))
     engine.runner.kv_cache = shared_cache
-    return ("shm", path, shape, cache.dtype, None)
+    return ("file", path, shape, cache.dtype, None)
 
 
 KV_FILE_PREFIX = "pegaserve-kv-"
@@ -118,7 +118,7 @@ def _remove_orphans() -> None:
 def _map(kind: str, path: str, shape: tuple[int, ...], dtype: torch.dtype, cuda_handle) -> tuple:
     """The replica's view of the engine's KV cache (`_share`'s other half): the blocks, their
     generations, and the file that holds the blocks if any."""
-    cache, generations = map_kv_file(path, shape, dtype, with_blocks=kind == "shm")
+    cache, generations = map_kv_file(path, shape, dtype, with_blocks=kind == "file")
     if kind == "cuda":
         rebuild, args = cuda_handle
         return rebuild(*args), generations, None

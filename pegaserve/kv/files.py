@@ -1,5 +1,5 @@
 """KV cache files in shared memory: an engine process keeps its cache (and its blocks'
-generations) in one, and the decode side of a shm handoff maps the prefill engine's."""
+generations) in one, and the decode side of a same-node handoff maps the prefill engine's."""
 
 from __future__ import annotations
 

@@ -69,7 +69,7 @@ class ModelRunner:
     def _sample(self, hidden: torch.Tensor, output: SchedulerOutput, attn: AttentionBatch):
         """Tokens at every sampled position (its hidden state once, however many rows share it):
         through the model's screened head where the rows allow it and the model has one
-        (sampling_screened.py), else from the full logits."""
+        (sample/screened.py), else from the full logits."""
         flat: list[int] = []  # rows of `hidden` to put through the LM head
         row_of: list[int] = []  # per sampling row: its row of `picked`
         rows = []
@@ -155,7 +155,7 @@ def unpack_layer(kv_cache: torch.Tensor, layer: int, index: torch.Tensor, part: 
 
 def copy_blocks(source: torch.Tensor, source_ids: list[int], target: torch.Tensor, target_ids: list[int]) -> None:
     """`target[:, :, target_ids] = source[:, :, source_ids]` between two caches of one layout (the
-    shm handoff: prefill's cache, mapped, into decode's). Blocks that sit in a run in both caches
+    same-node handoff: prefill's cache, mapped, into decode's). Blocks that sit in a run in both caches
     move as one strided copy: a fresh prompt's blocks usually do, and then 8 MB copy in ~0.7 ms
     where a gather and a scatter take ~3.5."""
     slabs = source.shape[0] * source.shape[1]

@@ -7,7 +7,7 @@ requests of a lower priority than the first waiting one make room for it.
 
 The scheduler owns every `RequestState` and is the only caller of the KV cache manager, so a
 request's progress and its blocks change only here: in `schedule()` (blocks for the step) and
-`update()` (the sampled tokens, classified one at a time by the stop policy — docs/CONTRACT.md
+`update()` (the sampled tokens, classified one at a time by the stop policy — docs/contract.md
 rules 1-7 — and the progress they make). What each scheduled request asks of the runner is built in
 scheduled_request.py.
 """
@@ -20,8 +20,16 @@ from dataclasses import replace
 
 from pegaserve.config import EngineConfig, Role
 from pegaserve.kv.manager import KvCacheManager
-from pegaserve.request import (EngineRequest, Handoff, ParkedKv, ReceiveTarget, RequestState, SampledToken, Status,
-                               StepOutput)
+from pegaserve.request import (
+    EngineRequest,
+    Handoff,
+    ParkedKv,
+    ReceiveTarget,
+    RequestState,
+    SampledToken,
+    Status,
+    StepOutput,
+)
 from pegaserve.sample.grammar import Grammars
 from pegaserve.sched.leases import Leases
 from pegaserve.sched.output import RunnerOutput, ScheduledRequest, SchedulerOutput

@@ -12,9 +12,9 @@ AGREE = "test_structured_outputs::test_structured_outputs_and_the_guided_fields_
 BEAMS = "test_beam_search::test_completions_beams_are_transformers_beam_search"
 LEGACY = "test_tools::test_legacy_functions_come_back_as_one_function_call_streamed_and_not"
 TOOLS = "test_tools::test_auto_tool_calls_come_back_as_tool_calls_streamed_and_not"
-RESPONSE = "test_responses::test_a_response_is_the_chat_completion_of_its_messages"
-TEXT_FORMAT = "test_responses::test_a_json_schema_text_format_holds_the_output"
-BAD_RESPONSES = "test_responses::test_bad_responses_bodies_are_a_400_naming_the_parameter"
+RESPONSE = "responses.test_responses::test_a_response_is_the_chat_completion_of_its_messages"
+TEXT_FORMAT = "responses.test_responses::test_a_json_schema_text_format_holds_the_output"
+BAD_RESPONSES = "responses.test_responses::test_bad_responses_bodies_are_a_400_naming_the_parameter"
 # field -> the tests that show what it does ("module::test" under tests/api)
 BEHAVIOUR = {
     "model": ["test_contract_colocated::test_unknown_model_is_404"],
@@ -65,7 +65,7 @@ BEHAVIOUR = {
         "test_sampling_params::test_a_minus_100_bias_bans_the_greedy_token",
     ],
     "logprobs": [CONTRACT, "test_echo_logprobs::test_echo_with_logprobs_shows_the_prompt_scored_by_the_reference"],
-    "top_logprobs": [CONTRACT, "test_responses::test_included_logprobs_are_chats"],
+    "top_logprobs": [CONTRACT, "responses.test_responses::test_included_logprobs_are_chats"],
     "logprob_token_ids": ["test_echo_logprobs::test_logprob_token_ids_are_exactly_those_tokens_logprobs"],
     "prompt_logprobs": [
         "test_echo_logprobs::test_prompt_logprobs_in_vllms_shape",
@@ -122,28 +122,28 @@ BEHAVIOUR = {
     "messages.tool_calls": ["test_chat_template::test_messages_and_template_kwargs_reach_the_chat_template"],
     "messages.tool_call_id": ["test_chat_template::test_messages_and_template_kwargs_reach_the_chat_template"],
     # the Responses API's own (test_responses.py)
-    "input": [RESPONSE, "test_responses::test_input_items_become_chats_messages"],
+    "input": [RESPONSE, "responses.test_responses::test_input_items_become_chats_messages"],
     "instructions": [RESPONSE],
     "max_output_tokens": [RESPONSE],
     "text": [TEXT_FORMAT], "text.format": [TEXT_FORMAT], "text.verbosity": [BAD_RESPONSES],
-    "reasoning": [BAD_RESPONSES, "test_responses::test_input_items_become_chats_messages"],
-    "reasoning.effort": [BAD_RESPONSES, "test_responses::test_input_items_become_chats_messages"],
+    "reasoning": [BAD_RESPONSES, "responses.test_responses::test_input_items_become_chats_messages"],
+    "reasoning.effort": [BAD_RESPONSES, "responses.test_responses::test_input_items_become_chats_messages"],
     "reasoning.summary": [BAD_RESPONSES], "reasoning.generate_summary": [BAD_RESPONSES],
     "stream_options.include_obfuscation": [BAD_RESPONSES],
     "truncation": [BAD_RESPONSES,
-                   "test_responses::test_truncation_auto_leaves_out_the_conversations_start_until_it_fits"],
-    "store": ["test_responses::test_stored_responses_are_read_listed_and_deleted",
+                   "responses.test_responses::test_truncation_auto_leaves_out_the_conversations_start_until_it_fits"],
+    "store": ["responses.test_responses::test_stored_responses_are_read_listed_and_deleted",
               "test_stored_chats::test_a_stored_completion_is_read_back_whole_with_its_messages_streamed_or_not"],
     "metadata": ["test_stored_chats::test_stored_completions_are_listed_filtered_paged_updated_and_deleted",
                  "test_stored_chats::test_bad_stored_completion_requests_are_a_400_naming_the_parameter",
-                 "test_background::test_a_background_response_is_queued_then_ends_as_the_foreground_one"],
-    "background": ["test_background::test_a_background_response_is_queued_then_ends_as_the_foreground_one",
-                   "test_background::test_cancel_stops_the_generation_and_its_engine_request",
-                   "test_background::test_a_streamed_background_response_streams_and_replays_from_any_event",
-                   "test_background::test_what_cannot_run_in_the_background_or_be_streamed_back_is_a_400_naming_it"],
-    "previous_response_id": ["test_responses::test_previous_response_id_continues_its_conversation",
-                             "test_responses::test_stored_responses_are_read_listed_and_deleted"],
-    "include": ["test_responses::test_included_logprobs_are_chats", BAD_RESPONSES],
+                 "responses.test_background::test_a_background_response_is_queued_then_ends_as_the_foreground_one"],
+    "background": ["responses.test_background::test_a_background_response_is_queued_then_ends_as_the_foreground_one",
+                   "responses.test_background::test_cancel_stops_the_generation_and_its_engine_request",
+                   "responses.test_background::test_a_streamed_background_response_streams_and_replays_from_any_event",
+                   "responses.test_background::test_what_cannot_run_in_the_background_or_be_streamed_back_is_a_400_naming_it"],
+    "previous_response_id": ["responses.test_responses::test_previous_response_id_continues_its_conversation",
+                             "responses.test_responses::test_stored_responses_are_read_listed_and_deleted"],
+    "include": ["responses.test_responses::test_included_logprobs_are_chats", BAD_RESPONSES],
 }
 # accepted, and by definition changing nothing here: (field, a non-default value)
 NO_EFFECT = {

@@ -13,10 +13,10 @@ import pytest
 
 from pegaserve.api.app import _event, build_app
 from pegaserve.api.body import parse_body
-from pegaserve.api.services import EngineClient
 from pegaserve.api.errors import ApiError
 from pegaserve.api.frontend import FAILED
 from pegaserve.api.protocol import CompletionRequest
+from pegaserve.api.services import EngineClient
 from pegaserve.config import Limits
 from pegaserve.request import StepOutput
 from pegaserve.stop import Error

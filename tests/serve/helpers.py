@@ -9,13 +9,13 @@ from pathlib import Path
 import httpx
 import ray
 import yaml
+from ray import serve
+
 from pegaserve.deployments.colocated import Colocated
 from pegaserve.deployments.config import AppArgs
 from pegaserve.deployments.decode import Decode
 from pegaserve.deployments.ingress import Ingress
 from pegaserve.deployments.prefill import Prefill
-from ray import serve
-
 from pegaserve.testing.hook import as_env
 
 HTTP_PORT = 8123  # not 8000: a developer's `make serve` may be running

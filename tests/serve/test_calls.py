@@ -6,10 +6,10 @@ from dataclasses import replace
 
 import pytest
 import ray
-from pegaserve.deployments.calls import DecodeCall, PrefillResult, pack, unpack
-from pegaserve.deployments.channel import Address
-from pegaserve.deployments.handoff.protocol import Lease
 
+from pegaserve.deployments.calls import DecodeCall, PrefillResult, pack, unpack
+from pegaserve.net.channel import Address
+from pegaserve.pd.protocol import Lease
 from pegaserve.request import EngineRequest, ParkedKv, SampledToken, SamplingParams, StepOutput
 from pegaserve.stop import Length, StopPolicy
 

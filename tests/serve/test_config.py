@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from pegaserve.deployments.config import AppArgs
-from pegaserve.deployments.replica import engine_config
 from pydantic import ValidationError
 
 from pegaserve.config import Role
+from pegaserve.deployments.config import AppArgs
+from pegaserve.deployments.replica import engine_config
 
 
 def test_defaults_are_the_cpu_pd_app(tiny_model_dir):

@@ -5,7 +5,6 @@ import asyncio
 import itertools
 
 from pegaserve.deployments.clients import ColocatedClient
-
 from pegaserve.request import EngineRequest, SampledToken, SamplingParams, StepOutput
 from pegaserve.stop import Length, StopPolicy
 

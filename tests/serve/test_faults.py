@@ -10,10 +10,10 @@ import time
 import httpx
 import pytest
 import ray
-from pegaserve.deployments.ledger import LEDGER_NAME, LEDGER_NAMESPACE, NAMESPACE
-from pegaserve.deployments.response_store import RESPONSE_STORE_NAME
 from ray import serve
 
+from pegaserve.deployments.ledger import LEDGER_NAME, LEDGER_NAMESPACE, NAMESPACE
+from pegaserve.deployments.response_store import RESPONSE_STORE_NAME
 from tests.helpers import PROMPTS
 from tests.serve.helpers import deploy, start_ray, wait_for_idle_pools, wait_healthy
 

@@ -1,7 +1,6 @@
 """The ingress's latency metrics: every inter-token gap reaches the histogram, in batches."""
 
 from pegaserve.deployments.metrics import ITL_BATCH, IngressMetrics
-
 from pegaserve.stop import Length
 
 

@@ -8,8 +8,8 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
-from pegaserve.deployments.ledger import LedgerActor, LedgerBuffer
 
+from pegaserve.deployments.ledger import LedgerActor, LedgerBuffer
 from pegaserve.ledger import Arrived, Finished, TokensCommitted
 from pegaserve.stop import Length
 

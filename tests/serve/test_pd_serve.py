@@ -208,7 +208,7 @@ def test_shm_transport_copies_through_shared_memory_and_gives_the_same_tokens(ra
 
 def test_gloo_pushes_the_kv_before_decode_asks_and_gives_the_same_tokens(ray_serve, reference_tokens):
     """One prefill and one decode replica over gloo: once their pair is open, each prompt's KV is
-    pushed as prefill leases it (deployments/handoff/push.py); the tokens are the same."""
+    pushed as prefill leases it (pegaserve/pd/push.py); the tokens are the same."""
     url = deploy("push", {"transport": "gloo", "engine": {"num_blocks": 256}})
     pushed = []
     for prompt, expected in zip(PROMPTS[:4], reference_tokens[:4]):

@@ -30,12 +30,12 @@ from dataclasses import replace
 from pydantic import ValidationError
 
 from pegaserve.api import validation as v
-from pegaserve.api.responses.background import BackgroundResponses
 from pegaserve.api.body import complaint
 from pegaserve.api.errors import ApiError, invalid
 from pegaserve.api.frontend import Job, new_response_id
 from pegaserve.api.jobs import chat_job, chat_prompt_ids
 from pegaserve.api.protocol import REFUSED_RESPONSES, ChatCompletionRequest, ResponsesRequest, SamplingKnobs
+from pegaserve.api.responses.background import BackgroundResponses
 from pegaserve.api.responses.store import ACTIVE
 from pegaserve.api.responses.view import ResponseView, input_items
 from pegaserve.api.stored_chats import check_metadata

@@ -1,4 +1,4 @@
-"""docs/CONTRACT.md as code: parse an answer (`answers`), check it against the rules that hold for
+"""docs/contract.md as code: parse an answer (`answers`), check it against the rules that hold for
 any output (`checks`) and against another account of the same request — a contract case's known
 outcome, the other streaming mode, the ledger (`agreement`). Used by the contract tests, the Locust
 load test and the soak alike."""

@@ -1,4 +1,4 @@
-"""What a request asked for and what it got back, reduced to what docs/CONTRACT.md talks about.
+"""What a request asked for and what it got back, reduced to what docs/contract.md talks about.
 
 `Params` is read from the JSON body the client sent. `Answer` is read from a non-streaming
 response body (`answer_from_body`), from a stream's SSE lines (`answer_from_sse`), or from the

@@ -1,4 +1,4 @@
-"""docs/CONTRACT.md as checks on one answer: pure functions over parsed answers.
+"""docs/contract.md as checks on one answer: pure functions over parsed answers.
 
 Each check returns the problems it found, one line each, led by the contract rule it breaks; an
 empty list means the answer keeps that part of the contract. These checks hold for *any* model

@@ -11,8 +11,8 @@ import time
 import httpx
 import openai
 
-from pegaserve.api.responses.background import BackgroundResponses
 from pegaserve.api.protocol import ResponsesRequest
+from pegaserve.api.responses.background import BackgroundResponses
 from pegaserve.api.responses.store import ACTIVE, MemoryResponseStore
 from pegaserve.api.responses.view import ResponseView
 

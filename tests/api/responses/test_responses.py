@@ -13,8 +13,8 @@ import openai
 import pytest
 
 from pegaserve.api.protocol import REFUSED_RESPONSES, ResponsesRequest
-from pegaserve.api.responses.store import MemoryResponseStore
 from pegaserve.api.responses.endpoint import chat_body
+from pegaserve.api.responses.store import MemoryResponseStore
 from tests.api.field_kinds import NO_EFFECT, REFUSED_VALUES
 from tests.api.test_tools import TIME, WEATHER, tools_app
 from tests.contract.server import ThreadedServer

@@ -1,4 +1,4 @@
-"""The pair channel's block moves (deployments/handoff/transports.py) over a real gloo pair on
+"""The pair channel's block moves (pegaserve/pd/pair_channel.py) over a real gloo pair on
 127.0.0.1: the blocks land where decode asked, whichever way they travel — as slabs straight from
 cache to cache when they lie in runs in both caches, packed layer by layer otherwise — and the
 two sides cut a transfer into the same messages, transfer after transfer."""
@@ -9,11 +9,13 @@ from array import array
 
 import pytest
 import torch
-from pegaserve.deployments.channel import Address
-from pegaserve.deployments.handoff import native, transports
-from pegaserve.deployments.handoff.protocol import Fetch, Lease
-from pegaserve.deployments.handoff.transports import GlooPair, Staging, slab_runs
 
+from pegaserve.net.channel import Address
+from pegaserve.pd import pair_channel as transports
+from pegaserve.pd.pair_channel import Staging, slab_runs
+from pegaserve.pd.protocol import Fetch, Lease
+from pegaserve.pd.transports import native
+from pegaserve.pd.transports.gloo import GlooPair
 from pegaserve.request import ParkedKv
 
 TIMEOUT_S = 30.0

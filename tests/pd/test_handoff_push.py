@@ -1,4 +1,4 @@
-"""KV pushed before decode asks (deployments/handoff/push.py), between a KvSender and a KvReceiver
+"""KV pushed before decode asks (pegaserve/pd/push.py), between a KvSender and a KvReceiver
 on 127.0.0.1 over a real gloo pair: once a pair is open, a lease's blocks travel as it is made,
 decode's fetch copies them out of what landed, and only what decode needs (after its cached
 prefix). A read that did not hold is turned away; a lease pushed on another pair, or with two
@@ -11,11 +11,12 @@ import time
 from types import SimpleNamespace
 
 import torch
-from pegaserve.deployments.handoff.receiver import KvReceiver
-from pegaserve.deployments.handoff.sender import KvSender
 
+from pegaserve.pd.receiver import KvReceiver
+from pegaserve.pd.sender import KvSender
 from pegaserve.request import ParkedKv, StepOutput
-from tests.serve.test_handoff_fetch import (
+from tests.pd.test_handoff_fetch import (
+    NODE,
     PROMPT_BLOCKS,
     SHAPE,
     TARGET,
@@ -23,7 +24,6 @@ from tests.serve.test_handoff_fetch import (
     DecodeEngine,
     expected_target,
     lease_of,
-    loopback,  # noqa: F401 - the fixture, for every test here
     random_cache,
     released,
     run,
@@ -114,7 +114,7 @@ def test_a_fetch_and_a_push_share_a_pair_and_leases_pushed_elsewhere_are_fetched
 
 def test_with_two_decode_replicas_paired_nothing_is_pushed():
     async def scenario(prefill, sender, receiver):
-        other = KvReceiver(DecodeEngine(random_cache(5)), "decode-2", "gloo", TIMEOUT_S)
+        other = KvReceiver(DecodeEngine(random_cache(5)), "decode-2", "gloo", TIMEOUT_S, node=NODE)
         try:
             for decode, name in ((receiver, "r1"), (other, "r2")):
                 assert (await decode.fetch(await lease(sender, name), TARGET, (name,))).ok

@@ -1,18 +1,18 @@
-"""KV pushed before decode asks (gloo pairs): with one decode replica paired, a prefill replica
-sends a prompt's KV the moment it leases it, while the first token travels through the ingress to
-decode; decode's fetch then finds the bytes landed, and copies them into the blocks its engine
-reserved — instead of asking, waking prefill's thread and waiting for the bytes.
+"""KV pushed before decode asks, on pairs that carry pushes (`PairTransport.pushable`): with one
+decode replica paired, a prefill replica sends a prompt's KV the moment it leases it, while the
+first token travels through the ingress to decode; decode's fetch then finds the bytes landed, and
+copies them into the blocks its engine reserved — instead of asking, waking prefill's thread and
+waiting for the bytes.
 
 A push is a header (`Pushed`: whose KV, its packed shape, how its blocks travel), then the blocks
 straight from prefill's cache into a landing buffer and prefill's verdict on its read, as a
 fetch's transfer (`PairChannel.send_with_verdict`) on tags apart from a fetch's (`TAGS`): both may
 be under way on one pair. Pushes of a pair go one at a time (`Pusher`), so decode's `Inbox`
 thread takes each header, then its blocks. A lease says where it was pushed (`Lease.pushed_to`);
-a lease pushed elsewhere, or not at all, is fetched as before. Prefill counts the bytes a decode replica has not claimed yet and pushes no more
-past `MAX_UNCLAIMED_BYTES`; decode keeps a push until it is claimed, dropped (the request needed no
-transfer) or its lease's time is up.
+a lease pushed elsewhere, or not at all, is fetched as before. Prefill counts the bytes a decode
+replica has not claimed yet and pushes no more past `MAX_UNCLAIMED_BYTES`; decode keeps a push
+until it is claimed, dropped (the request needed no transfer) or its lease's time is up.
 """
-
 from __future__ import annotations
 
 import asyncio
@@ -28,15 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
-from pegaserve.deployments.handoff.transports import (
-    FETCH_TAG,
-    NO_TIMEOUT,
-    PairChannel,
-    Staging,
-    packed_shape,
-    slab_runs,
-)
 
+from pegaserve.pd.pair_channel import FETCH_TAG, NO_TIMEOUT, PairChannel, Staging, packed_shape, slab_runs
 from pegaserve.request import ParkedKv
 
 log = logging.getLogger("ray.serve")

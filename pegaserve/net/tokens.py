@@ -10,6 +10,9 @@ The Serve call that started a request stays open until the request is done, so S
 queue limits and autoscaling still see every request in flight, and a replica that dies fails
 the calls it held. Each call has a tag that its outputs carry: after a request moved to another
 replica, anything still arriving from the old one is dropped.
+
+No Ray here: the inbox listens on the address it is given (the Ray edge, the ingress,
+gives it the node's).
 """
 
 from __future__ import annotations
@@ -19,8 +22,7 @@ import logging
 from collections import defaultdict
 from dataclasses import dataclass
 
-from pegaserve.deployments.channel import Address, Connection, Listener, connect
-
+from pegaserve.net.channel import Address, Connection, Listener, connect
 from pegaserve.request import StepOutput
 
 log = logging.getLogger("ray.serve")
@@ -32,10 +34,11 @@ class AbortChoice:
 
 
 class TokenInbox:
-    """The ingress side: one listener per ingress replica; outputs go to per-request queues."""
+    """The ingress side: one listener per ingress replica (on `host`, its node's address); outputs
+    go to per-request queues."""
 
-    def __init__(self) -> None:
-        self._listener = Listener(self._serve)
+    def __init__(self, host: str) -> None:
+        self._listener = Listener(self._serve, host)
         self._queues: dict[str, tuple[int, asyncio.Queue]] = {}  # choice id -> (the call's tag, its queue)
         self._senders: dict[str, Connection] = {}  # choice id -> the connection its tokens come on
         self._aborted: set[str] = set()  # choices to stop as soon as their replica is known

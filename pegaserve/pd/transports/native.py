@@ -1,7 +1,7 @@
 """`csrc/gloo_pair.cpp`, the gloo pair's handoff with no Python between a fetch and its bytes.
 
 Built with torch's extension builder (it calls into torch.distributed's C++ `Backend`), ~20 s: ahead
-of time by `python -m pegaserve.deployments.handoff.native` (`make model` runs it), else in the background as a
+of time by `python -m pegaserve.pd.transports.native` (`make model` runs it), else in the background as a
 replica starts; kept per torch version under `~/.cache/pegaserve/torch_extensions/`. Where it cannot
 be built (no compiler, no ninja), `module()` answers None, logged once, and the pairs run the same
 protocol in Python (`PEGASERVE_NATIVE_HANDOFF=0` chooses that too).

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pegaserve.deployments.channel import Address
-
+from pegaserve.net.channel import Address
 from pegaserve.request import ParkedKv
 
 
 @dataclass(frozen=True)
 class SharedCache:
-    """The prefill engine's KV cache as a file in shared memory, for decode replicas of its node."""
+    """The prefill engine's KV cache as a file in shared memory, for decode replicas of its node
+    (`node_id`: `NodeInfo.node_id`)."""
 
     node_id: str
     path: str
@@ -36,9 +36,10 @@ class Lease:
     kv_dtype: str
     block_bytes: int  # one block across every layer, K and V
     parked: ParkedKv  # where the prompt's blocks lie in the prefill engine's cache, and for how long
-    kv_ref: list | None = None  # object store: [ObjectRef] of the packed prompt (wrapped: Ray must not resolve it)
-    shared: SharedCache | None = None  # shm: where a decode replica of the same node maps the prefill's cache
-    pushed_to: str | None = None  # gloo: the pair (its group name) its KV is being pushed on (handoff/push.py)
+    # what the sender's transport put in it (`LeaseKv`, pd/transports/base.py):
+    kv_ref: list | None = None  # a reference to the packed prompt in a store (wrapped: Ray must not resolve it)
+    shared: SharedCache | None = None  # where a decode replica of the same node maps the prefill's cache
+    pushed_to: str | None = None  # the pair (its group name) its KV is being pushed on (pd/push.py)
 
     def fits(self, cache_shape: tuple[int, ...], cache_dtype: str) -> bool:
         """Whether the prompt's blocks have the layout of a cache of this shape and dtype (a pair
@@ -49,14 +50,14 @@ class Lease:
 
 @dataclass(frozen=True)
 class OpenPair:
-    """Decode asks for a pair channel (gloo/nccl) on this connection."""
+    """Decode asks for a pair channel (`PairTransport`) on this connection."""
 
     group_name: str
 
 
 @dataclass(frozen=True)
 class PairOffer:
-    """Prefill's answer: where the pair's rendezvous listens (gloo: its TCPStore)."""
+    """Prefill's answer: where the pair's rendezvous listens (if its transport has one)."""
 
     host: str
     port: int
@@ -80,16 +81,16 @@ class Fetch:
 @dataclass(frozen=True)
 class Copied:
     """Decode is done with the lease's blocks: it copied them out of the prefill engine's cache
-    itself (same node, `shm`) or out of their push (`gloo`; `held`: the copy was the prompt's,
-    otherwise decode recomputes), or it will not read them (no bytes; it has them cached, or
-    recomputes). Prefill frees them."""
+    itself (same node) or out of their push (`held`: the copy was the prompt's, otherwise decode
+    recomputes), or it will not read them (no bytes; it has them cached, or recomputes). Prefill
+    frees them."""
 
     request_id: str
     choice_ids: tuple[str, ...]
     kv_bytes: int
     seconds: float
     held: bool
-    transport: str = "shm"  # or gloo: copied out of what prefill pushed
+    transport: str  # the name of the transport that copied them (the ledger's)
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,11 @@ ingress replicas (releases) connect to directly.
 
 Leases are the engine's parked requests: the engine keeps their blocks until a release or the
 lease's expiry; this server keeps no table of its own. Each connection's messages are served
-strictly in order, so a pair channel's sends happen in the order its receiver expects; a gloo pair
-carries its fetches itself, to a thread of its own that sends the moment one arrives. The blocks
+strictly in order, so a pair channel's sends happen in the order its receiver expects; a pair that
+carries its fetches itself has a thread of its own that sends the moment one arrives. The blocks
 are read straight from the KV cache the engine process shares with this replica, and checked
 against their generations once read — the engine loop is neither asked to copy nor to confirm.
+What a lease carries besides, and what the pairs run on, is the transport's (pd/transports/).
 """
 
 from __future__ import annotations
@@ -16,66 +17,49 @@ import logging
 import threading
 import time
 
-import ray
 import torch
-from pegaserve.deployments.channel import Address, Connection, Listener
-from pegaserve.deployments.handoff import native
-from pegaserve.deployments.handoff.protocol import (
-    Copied,
-    Fetch,
-    Lease,
-    OpenPair,
-    PairOffer,
-    ReleaseLease,
-    SharedCache,
-)
-from pegaserve.deployments.handoff.push import Pusher
-from pegaserve.deployments.handoff.transports import (
-    MAX_FETCH_BYTES,
-    GlooPair,
-    NcclPair,
-    PairChannel,
-    Staging,
-    block_bytes,
-    fetch_in,
-    kv_as_bytes,
-    packed_shape,
-)
 
 from pegaserve.engine import commands
 from pegaserve.engine.async_engine import AsyncEngine
 from pegaserve.ledger import KvSent
+from pegaserve.net.channel import Address, Connection, Listener
+from pegaserve.net.node import NodeInfo
+from pegaserve.pd.pair_channel import MAX_FETCH_BYTES, PairChannel, Staging, block_bytes, fetch_in, packed_shape
+from pegaserve.pd.protocol import Copied, Fetch, Lease, OpenPair, ReleaseLease
+from pegaserve.pd.push import Pusher
+from pegaserve.pd.transports.registry import make_transport
 from pegaserve.request import EngineRequest, ParkedKv, StepOutput
-from pegaserve.runner.model_runner import pack_blocks
 
 log = logging.getLogger("ray.serve")
 TOMBSTONE_S = 120.0
 
 
 class KvSender:
+    """`transport`: the registry's name of it (pd/transports/registry.py); `node`: where this
+    replica runs (its KV server listens on `node.ip`)."""
+
     def __init__(self, engine: AsyncEngine, name: str, transport: str, timeout_s: float, ledger,
-                 delay_send_s: float = 0.0, push: bool = True) -> None:
+                 delay_send_s: float = 0.0, push: bool = True, *, node: NodeInfo) -> None:
         self.engine = engine
         self.name = name
-        self.transport = transport
+        self.transport = make_transport(transport, node)
         self.timeout_s = timeout_s
         self.ledger = ledger
         self.delay_send_s = delay_send_s  # a test double's fault: hold every send back this long
-        self._listener = Listener(self._serve)
+        self._listener = Listener(self._serve, node.ip)
         self._tombstones: dict[str, float] = {}  # released before they parked -> until when to remember
-        self.push = push and transport == "gloo"  # push each lease's KV where it can (handoff/push.py)
-        self._pushers: dict[Connection, Pusher] = {}  # the gloo pairs open, by their connection
+        self.push = push and self.transport.pushes  # push each lease's KV where it can (pd/push.py)
+        self._pushers: dict[Connection, Pusher] = {}  # the pairs open that carry pushes, by their connection
         self.num_pairs = 0
-        if transport in ("gloo", "shm"):  # pairs run on gloo
-            native.warm_up()
+        self.transport.warm_up()
 
     async def start(self) -> Address:
         return await self._listener.start()
 
     @property
     def pair_transport(self) -> str:
-        """What a pair channel runs on: nccl, or gloo (shm's way across nodes)."""
-        return "nccl" if self.transport == "nccl" else "gloo"
+        """What a pair channel runs on (the transport's own, or the one it falls back on across nodes)."""
+        return self.transport.pairs.name
 
     @property
     def serving(self) -> bool:
@@ -88,25 +72,19 @@ class KvSender:
 
     async def lease(self, request: EngineRequest, outputs: list[StepOutput]) -> Lease:
         """The lease of a parked request (`outputs`: its choices' first outputs, which say where the
-        prompt's KV is parked). With the object store, its KV goes there now and the blocks are
-        freed at once; otherwise they stay parked until a fetch sends them (or the lease expires:
-        then the fetch's bytes are turned away and decode recomputes)."""
+        prompt's KV is parked), with what the transport puts in it (`lease_kv`: a transport that
+        moves the KV elsewhere now frees the blocks at once). Otherwise they stay parked until a
+        fetch sends them (or the lease expires: then the fetch's bytes are turned away and decode
+        recomputes)."""
         if self._tombstones.pop(request.request_id, None) is not None:
             self.engine.release(request.request_id)  # its ingress gave up while it was being prefilled
         cache = self.engine.kv_cache
         parked = next(o.parked for o in outputs if o.parked is not None)
-        kv_ref = None
-        if self.transport == "object_store":
-            packed = await asyncio.to_thread(pack_blocks, cache, parked.block_ids)
-            if parked.intact(parked.block_ids, self.engine.kv_generations, time.monotonic()):
-                kv_ref = [ray.put(kv_as_bytes(packed))]
-            self.engine.release(request.request_id)
-        shared = None
-        if self.transport == "shm" and self.engine.kv_path is not None:
-            shared = SharedCache(ray.get_runtime_context().get_node_id(), self.engine.kv_path, tuple(cache.shape))
+        kv = await self.transport.lease_kv(self.engine, request.request_id, parked)
         pushed_to = self._push(request.request_id, parked, len(parked.block_ids) * block_bytes(cache))
         return Lease(request.request_id, self.name, self.address, packed_shape(cache, len(parked.block_ids)),
-                     str(cache.dtype).removeprefix("torch."), block_bytes(cache), parked, kv_ref, shared, pushed_to)
+                     str(cache.dtype).removeprefix("torch."), block_bytes(cache), parked, kv.kv_ref, kv.shared,
+                     pushed_to)
 
     def _push(self, request_id: str, parked: ParkedKv, num_bytes: int) -> str | None:
         """Push the lease's KV, in a worker thread, to the one decode replica paired (with several,
@@ -157,15 +135,12 @@ class KvSender:
                     log.warning("unexpected handoff message %r from %s", message, connection.peer)
 
     async def _open_pair(self, connection: Connection, group_name: str) -> PairChannel:
-        if self.transport == "nccl":
-            connection.send(PairOffer("", 0))
-            pair = await asyncio.to_thread(NcclPair, group_name, 0)
-        else:
-            store = await asyncio.to_thread(GlooPair.offer, self.timeout_s)
-            connection.send(PairOffer(ray.util.get_node_ip_address(), store.port))
-            pair = await asyncio.wait_for(asyncio.to_thread(GlooPair, store, 0, self.timeout_s), self.timeout_s)
+        pairs = self.transport.pairs
+        if pairs is None:
+            raise ConnectionError(f"transport {self.transport.name} opens no pair channel")
+        pair = await pairs.offer_pair(connection, group_name, self.timeout_s)
         self.num_pairs += 1
-        if isinstance(pair, GlooPair):
+        if pairs.pushable:
             self._pushers[connection] = Pusher(pair, group_name)
         if pair.carries_fetches:
             threading.Thread(target=self._serve_pair, args=(pair, connection, asyncio.get_running_loop()),
@@ -173,7 +148,7 @@ class KvSender:
         return pair
 
     def _serve_pair(self, pair: PairChannel, connection: Connection, loop: asyncio.AbstractEventLoop) -> None:
-        """The thread of a pair that carries its own fetches (gloo): it waits for the next one and
+        """The thread of a pair that carries its own fetches: it waits for the next one and
         sends at once — neither this replica's event loop nor a hop to a worker thread stands
         between a fetch and its bytes (nor any Python, where the pair runs natively). It ends with
         the pair (the peer closed it) or a failed send."""
@@ -196,7 +171,8 @@ class KvSender:
                 return
 
     async def _send(self, connection: Connection, pair: PairChannel | None, staging: Staging, fetch: Fetch) -> bool:
-        """A fetch that came on the connection (nccl): the send, in a worker thread."""
+        """A fetch that came on the connection (a pair that does not carry its fetches): the send, in a
+        worker thread."""
         if pair is None:
             log.warning("a fetch of %s from %s before any pair channel", fetch.request_id, connection.peer)
             return False

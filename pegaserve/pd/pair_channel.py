@@ -1,10 +1,6 @@
-"""How the KV bytes move between a prefill and a decode replica.
-
-`gloo` (CPU) uses torch.distributed's `ProcessGroupGloo` directly, one 2-rank group per pair, its
-rendezvous a TCPStore that prefill opens and names in a `PairOffer` (Ray's gloo collective group
-makes each process join a single default torch.distributed world, which would tie a replica to
-one peer for life). `nccl` (GPUs) goes through `ray.util.collective` (cupy). `object_store`
-packs the prompt into the Ray object store at prefill time; the lease carries the reference.
+"""Pair channels: one 2-rank channel per prefill/decode pair, which moves a prompt's blocks from
+prefill's cache straight into the blocks decode's engine reserved. A `PairTransport`
+(pd/transports/base.py) opens them; what they run on is its own (pd/transports/).
 
 Pair channels block: callers run them in a worker thread, one transfer at a time per pair, in the
 order of their fetches (decode posts its receives before it sends the fetch, so the bytes flow the
@@ -14,10 +10,10 @@ prefill's cache into decode's, nothing packed; otherwise the blocks are packed l
 layer travelling while the next is packed and unpacked while the next arrives. The last message is
 the sender's verdict: whether what it read was still the prompt's KV.
 
-On gloo the fetch itself travels on the pair (`fetch_message`: binary, with the cut decode chose),
-to a thread of the sender that waits for nothing else, and both ends run in C++ where it built
-(`native`, csrc/gloo_pair.cpp): no Python between a fetch and its bytes. On nccl the fetch travels
-on the replicas' connection and each side finds the runs itself.
+On a channel that `carries_fetches` the fetch itself travels on the pair (`fetch_message`: binary,
+with the cut decode chose), to a thread of the sender that waits for nothing else (`pull`,
+`serve_fetch`); otherwise the fetch travels on the replicas' connection and each side finds the
+runs itself (`start_recv`, `send_fetched`).
 """
 
 from __future__ import annotations
@@ -28,7 +24,6 @@ import functools
 import pickle
 import struct
 import time
-import warnings
 from abc import ABC, abstractmethod
 from array import array
 from collections.abc import Callable, Iterator, Sequence
@@ -36,23 +31,21 @@ from dataclasses import dataclass
 from typing import Final, Protocol
 
 import numpy as np
-import ray
 import torch
-from pegaserve.deployments.handoff import native
-from pegaserve.deployments.handoff.protocol import Fetch
 
+from pegaserve.pd.protocol import Fetch
 from pegaserve.request import ParkedKv
 from pegaserve.runner.model_runner import Run, block_runs, pack_layer, unpack_layer
 
-# Below, a message's fixed cost outweighs the copies it saves: ~30 us posted from Python on loopback
-# gloo, ~100 us after an idle spell; ~10 and ~25 us from C++ (a gloo pair's `native` side decides).
+# Below, a message's fixed cost outweighs the copies it saves: ~30 us posted from Python on a loopback
+# pair, ~100 us after an idle spell; ~10 and ~25 us from C++ (a pair whose native side decides).
 MIN_SLAB_BYTES = 256 << 10
 NATIVE_MIN_SLAB_BYTES = 64 << 10
-_VERDICT_TAG = 1 << 20  # past any block message's tag
-FETCH_TAG = _VERDICT_TAG + 1
+VERDICT_TAG = 1 << 20  # past any block message's tag
+FETCH_TAG = VERDICT_TAG + 1
 MAX_FETCH_BYTES = 4 << 20  # a `fetch_message`, ~27 bytes per block: a longer one fails and decode recomputes
 _HEADER = struct.Struct("<qqqd")  # fetch_message's: length, runs, blocks, expiry
-_WORD_BYTES = 8
+WORD_BYTES = 8
 NO_TIMEOUT = datetime.timedelta(days=365)  # a pair idles for as long as no prompt is handed over
 
 
@@ -72,8 +65,8 @@ class Work(Protocol):
     def wait(self, timeout: datetime.timedelta = ...) -> object: ...
 
 
-class _Done:
-    """A blocking transport's handle: the transfer is over when it is returned."""
+class Done:
+    """A blocking channel's handle: the transfer is over when it is returned."""
 
     def wait(self, timeout: datetime.timedelta | None = None) -> None:
         return None
@@ -105,25 +98,25 @@ class PairChannel(ABC):
         ok = verdict()
         flag = staging.flag(cache.device)
         flag.fill_(int(ok))
-        self.post_send(flag, tags + _VERDICT_TAG).wait()
+        self.post_send(flag, tags + VERDICT_TAG).wait()
         return ok
 
     def start_recv(self, cache: torch.Tensor, source_ids: Sequence[int], target_ids: Sequence[int],
                    staging: Staging, runs: Runs = FIND, tags: int = 0) -> Callable[[], bool]:
-        """`send_with_verdict`'s other side: posts the receives now where the channel can (gloo), so
+        """`send_with_verdict`'s other side: posts the receives now where the channel can (`posts_at_once`), so
         the bytes flow as soon as the peer sends, before any thread is scheduled here, and returns
         the rest, which blocks (for a worker thread) and returns the sender's verdict."""
         flag = staging.flag(cache.device)
         if self.posts_at_once:
             finish = self._post_recvs(cache, source_ids, target_ids, staging, runs, tags)
-            flag_work = self.post_recv(flag, tags + _VERDICT_TAG)
+            flag_work = self.post_recv(flag, tags + VERDICT_TAG)
         else:  # posting blocks: all of it in the thread, the verdict after the blocks (matched in order)
             finish = functools.partial(self.recv_blocks, cache, source_ids, target_ids, staging, runs, tags)
             flag_work = None
 
         def rest() -> bool:
             finish()
-            (flag_work or self.post_recv(flag, tags + _VERDICT_TAG)).wait()
+            (flag_work or self.post_recv(flag, tags + VERDICT_TAG)).wait()
             return bool(flag.item())
 
         return rest
@@ -144,7 +137,7 @@ class PairChannel(ABC):
         closed the pair) into `buffer` (`MAX_FETCH_BYTES` of uint8), sends its blocks as decode cut
         them (after `delay_s`, a test's fault) and the verdict (`generations`: the live blocks'). A
         failure after the fetch came leaves it readable by `fetch_in(buffer)`."""
-        buffer[:_WORD_BYTES].zero_()
+        buffer[:WORD_BYTES].zero_()
         self.post_recv(buffer, FETCH_TAG).wait(NO_TIMEOUT)
         fetch, runs = read_fetch(buffer)
         return self.send_fetched(cache, generations, fetch, staging, delay_s, runs)
@@ -213,7 +206,7 @@ class Served:
 
 
 def fetch_message(fetch: Fetch, runs: list[Run] | None) -> torch.Tensor:
-    """A fetch as it travels on a pair, read by both sides' code (csrc/gloo_pair.cpp too): a header
+    """A fetch as it travels on a pair, read by both sides' code (a native side's too): a header
     (the message's length in bytes, the number of runs — -1: the blocks travel packed —, of blocks,
     and the lease's expiry, a double), int64 words — per run (source block, target block, blocks),
     then the source ids, the target ids, and the generations the source blocks parked with (-1: not
@@ -243,13 +236,13 @@ def read_fetch(buffer: torch.Tensor) -> tuple[Fetch, list[Run] | None]:
     length, num_runs, num_blocks, held_until = _HEADER.unpack_from(raw)
     run_words = 3 * max(num_runs, 0)
     words = run_words + 3 * num_blocks
-    if num_blocks < 0 or not _HEADER.size + _WORD_BYTES * words <= length <= len(raw):
+    if num_blocks < 0 or not _HEADER.size + WORD_BYTES * words <= length <= len(raw):
         raise ValueError(f"a malformed fetch ({length} bytes, {num_runs} runs, {num_blocks} blocks)")
     body = np.frombuffer(raw, dtype=np.int64, count=words, offset=_HEADER.size).tolist()
     runs = None if num_runs < 0 else [tuple(body[i : i + 3]) for i in range(0, run_words, 3)]
     source, target, generations = (tuple(body[run_words + k * num_blocks : run_words + (k + 1) * num_blocks])
                                    for k in range(3))
-    request_id, choice_ids = pickle.loads(raw[_HEADER.size + _WORD_BYTES * words : length].tobytes())
+    request_id, choice_ids = pickle.loads(raw[_HEADER.size + WORD_BYTES * words : length].tobytes())
     return Fetch(request_id, choice_ids, ParkedKv(source, generations, held_until), source, target), runs
 
 
@@ -325,108 +318,3 @@ class Staging:
         if storage is None or storage.numel() < numel or storage.dtype != dtype or storage.device != device:
             storage = self._storage = torch.empty(numel, dtype=dtype, device=device)
         return storage[:numel].view(shape)
-
-
-class GlooPair(PairChannel):
-    """`pull` and `serve_fetch` run in C++ (`native`) where it built: from a fetch to its bytes and
-    verdict, no Python on either side. Both sides speak the same messages either way."""
-
-    posts_at_once = True
-    carries_fetches = True  # a receive shorter than its buffer is fine on gloo; the peer's end ends a wait
-
-    def __init__(self, store: torch.distributed.TCPStore, rank: int, timeout_s: float, use_native: bool = True) -> None:
-        self._store = store  # the group keeps using it
-        self._peer = 1 - rank
-        self._group = torch.distributed.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=timeout_s))
-        self._native = native.module() if use_native else None
-        self._generations: tuple[object, torch.Tensor | None] = (None, None)
-
-    def pull(self, cache: torch.Tensor, fetch: Fetch, staging: Staging, runs: Runs = FIND) -> Callable[[], bool]:
-        if runs is FIND:
-            runs = slab_runs(cache, fetch.source_block_ids, fetch.target_block_ids,
-                             NATIVE_MIN_SLAB_BYTES if self._native is not None else None)
-        if self._native is None or runs is None:
-            return super().pull(cache, fetch, staging, runs)
-        return self._native.pull(self._group, cache, fetch_message(fetch, runs), staging.flag(cache.device),
-                                 self._peer, _VERDICT_TAG, FETCH_TAG).wait
-
-    def serve_fetch(self, cache: torch.Tensor, generations: Sequence[int], buffer: torch.Tensor, staging: Staging,
-                    delay_s: float = 0.0) -> Served:
-        live = self._int64s(generations)
-        if self._native is None or live is None:
-            return super().serve_fetch(cache, generations, buffer, staging, delay_s)
-        buffer[:_WORD_BYTES].zero_()
-        done = self._native.serve_fetch(self._group, cache, live, buffer, staging.flag(cache.device), self._peer,
-                                        _VERDICT_TAG, FETCH_TAG, delay_s)
-        fetch, runs = read_fetch(buffer)
-        if done.sent:
-            return Served(fetch, done.held, done.seconds)
-        return self.send_fetched(cache, generations, fetch, staging, delay_s, runs)  # packed: C++ sends only slabs
-
-    def _int64s(self, generations: Sequence[int]) -> torch.Tensor | None:
-        """The live generations as an int64 tensor over the same memory (an array or a memoryview
-        of int64, as the engine keeps them), or None (the Python side checks them)."""
-        source, view = self._generations
-        if source is not generations:
-            try:
-                view = torch.frombuffer(generations, dtype=torch.int64)
-            except (TypeError, ValueError):
-                view = None
-            self._generations = (generations, view)
-        return view
-
-    @staticmethod
-    def offer(timeout_s: float) -> torch.distributed.TCPStore:
-        """Prefill: the rendezvous, listening on this node's address (its port goes in a PairOffer)."""
-        return torch.distributed.TCPStore(ray.util.get_node_ip_address(), 0, 2, is_master=True,
-                                          timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
-
-    @staticmethod
-    def join(host: str, port: int, timeout_s: float) -> torch.distributed.TCPStore:
-        return torch.distributed.TCPStore(host, port, 2, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
-
-    def close(self) -> None:
-        self._group = None  # the last reference: the group closes its connection to the peer
-
-    def send(self, tensor: torch.Tensor) -> None:
-        self.post_send(tensor, 0).wait()
-
-    def recv(self, tensor: torch.Tensor) -> None:
-        self.post_recv(tensor, 0).wait()
-
-    def post_send(self, tensor: torch.Tensor, tag: int) -> Work:
-        return self._group.send([tensor], self._peer, tag)  # gloo sends it from its own threads
-
-    def post_recv(self, tensor: torch.Tensor, tag: int) -> Work:
-        return self._group.recv([tensor], self._peer, tag)
-
-
-class NcclPair(PairChannel):
-    def __init__(self, group_name: str, rank: int) -> None:
-        from ray.util import collective  # noqa: PLC0415 - needs cupy, a GPU extra
-
-        self._collective = collective
-        self._name = group_name
-        self._peer = 1 - rank
-        collective.init_collective_group(2, rank, backend="nccl", group_name=group_name)
-
-    def post_send(self, tensor: torch.Tensor, tag: int) -> Work:
-        self._collective.send(tensor, self._peer, self._name)  # in order, so the tag is not needed
-        return _Done()
-
-    def post_recv(self, tensor: torch.Tensor, tag: int) -> Work:
-        self._collective.recv(tensor, self._peer, self._name)
-        return _Done()
-
-
-def kv_as_bytes(kv: torch.Tensor) -> np.ndarray:
-    """The object store's form of packed KV: raw bytes in a numpy array, which Ray stores without
-    pickling and maps zero-copy on get (a pickled torch tensor costs ~4x more; bf16 has no numpy dtype)."""
-    return kv.detach().contiguous().cpu().view(torch.uint8).numpy()
-
-
-def kv_from_bytes(data: np.ndarray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
-    with warnings.catch_warnings():  # the mapped array is read-only; the engine only copies from it
-        warnings.simplefilter("ignore", UserWarning)
-        raw = torch.from_numpy(data)
-    return raw.view(getattr(torch, dtype)).reshape(shape)

@@ -6,6 +6,9 @@ message costs milliseconds of CPU. So a replica that must be reachable listens o
 address; the address and a random token travel in an ordinary Ray/Serve call (the trusted control
 plane), and a connection counts only once its first frame presents that token. Frames are
 pickles: the peers trust each other as Ray's own workers do.
+
+No Ray here: where a listener listens (its node's address) is given by its caller (the Ray edge,
+`pegaserve.deployments.node`, passes the address Ray knows the node by; tests pass 127.0.0.1).
 """
 
 from __future__ import annotations
@@ -18,8 +21,6 @@ import secrets
 import struct
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-
-import ray
 
 log = logging.getLogger("ray.serve")
 _HEADER = struct.Struct("!Q")
@@ -74,19 +75,19 @@ Handler = Callable[[Connection], Awaitable[None]]
 
 
 class Listener:
-    """A TCP server on this node's address; each authenticated connection gets its own handler."""
+    """A TCP server on `host` (this node's address); each authenticated connection gets its own handler."""
 
-    def __init__(self, handler: Handler) -> None:
+    def __init__(self, handler: Handler, host: str) -> None:
         self.handler = handler
+        self.host = host
         self.token = secrets.token_hex(TOKEN_BYTES // 2)
         self.address: Address | None = None
         self._server: asyncio.Server | None = None
 
     async def start(self) -> Address:
-        host = ray.util.get_node_ip_address()
-        self._server = await asyncio.start_server(self._accept, host, 0)
+        self._server = await asyncio.start_server(self._accept, self.host, 0)
         port = self._server.sockets[0].getsockname()[1]
-        self.address = Address(host, port, self.token)
+        self.address = Address(self.host, port, self.token)
         return self.address
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -1,4 +1,4 @@
-"""The handoff's fetch between a KvSender and a KvReceiver (deployments/handoff/) on 127.0.0.1,
+"""The handoff's fetch between a KvSender and a KvReceiver (pegaserve/pd/) on 127.0.0.1,
 with stand-in engines whose loops must never be asked anything: the bytes are read straight from
 the prefill engine's cache and checked against the lease (`ParkedKv`) once read. A lease that
 expired, or a block handed out anew, turns the bytes away — the pair stays in step for the next
@@ -14,21 +14,21 @@ import uuid
 from array import array
 
 import pytest
-import ray
 import torch
-from pegaserve.deployments.handoff import transports
-from pegaserve.deployments.handoff.protocol import Lease, SharedCache
-from pegaserve.deployments.handoff.receiver import KvReceiver
-from pegaserve.deployments.handoff.sender import KvSender
-from pegaserve.deployments.handoff.transports import block_bytes, packed_shape
 
 from pegaserve.engine.process import SHM_DIR, map_kv_file
+from pegaserve.net.node import NodeInfo
+from pegaserve.pd.pair_channel import block_bytes, packed_shape
+from pegaserve.pd.protocol import Lease, SharedCache
+from pegaserve.pd.receiver import KvReceiver
+from pegaserve.pd.sender import KvSender
 from pegaserve.request import ParkedKv, ReceiveTarget
 
 TIMEOUT_S = 30.0
 SHAPE = (3, 2, 40, 4, 2, 8)  # [layers, 2, blocks, block_size, kv_heads, head_dim]
 PROMPT_BLOCKS = (3, 4, 5, 6, 7, 8, 9, 10, 2)  # where the prompt lies in prefill's cache
 TARGET = ReceiveTarget((30, 31, 32, 33, 34, 35, 36, 37), 1)  # decode has the first block cached
+NODE = NodeInfo("node", "127.0.0.1")  # both sides: one node, on loopback
 
 
 class PrefillEngine:
@@ -60,13 +60,6 @@ class Ledger:
         self.records += records
 
 
-@pytest.fixture(autouse=True)
-def loopback(monkeypatch):
-    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.1")
-    monkeypatch.setattr(transports.ray.util, "get_node_ip_address", lambda: "127.0.0.1")
-    monkeypatch.setattr(KvReceiver, "_same_node", lambda self, shared: True)
-
-
 def random_cache(seed: int) -> torch.Tensor:
     return torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed))
 
@@ -74,7 +67,7 @@ def random_cache(seed: int) -> torch.Tensor:
 def lease_of(sender: KvSender, request_id: str, held_for_s: float = 60.0) -> Lease:
     cache, generations = sender.engine.kv_cache, sender.engine.kv_generations
     parked = ParkedKv(PROMPT_BLOCKS, tuple(generations[b] for b in PROMPT_BLOCKS), time.monotonic() + held_for_s)
-    shared = None if sender.engine.kv_path is None else SharedCache("node", sender.engine.kv_path, SHAPE)
+    shared = None if sender.engine.kv_path is None else SharedCache(NODE.node_id, sender.engine.kv_path, SHAPE)
     return Lease(request_id, "prefill", sender.address, packed_shape(cache, len(PROMPT_BLOCKS)), "float32",
                  block_bytes(cache), parked, shared=shared)
 
@@ -100,9 +93,9 @@ def run(transport: str, scenario, kv_path: str | None = None) -> None:
             prefill = PrefillEngine(random_cache(1), array("q", bytes(8 * SHAPE[2])))
         else:
             prefill = PrefillEngine(*map_kv_file(kv_path, SHAPE, torch.float32), kv_path)
-        sender = KvSender(prefill, "prefill", transport, TIMEOUT_S, Ledger())
+        sender = KvSender(prefill, "prefill", transport, TIMEOUT_S, Ledger(), node=NODE)
         await sender.start()
-        receiver = KvReceiver(DecodeEngine(random_cache(2)), "decode", transport, TIMEOUT_S)
+        receiver = KvReceiver(DecodeEngine(random_cache(2)), "decode", transport, TIMEOUT_S, node=NODE)
         try:
             await asyncio.wait_for(scenario(prefill, sender, receiver), TIMEOUT_S)
         finally:
@@ -182,7 +175,7 @@ def test_gloo_a_fetch_never_waits_for_the_senders_event_loop():
     loop_thread = threading.Thread(target=sender_loop.run_forever, daemon=True)
     loop_thread.start()
     prefill = PrefillEngine(random_cache(1), array("q", bytes(8 * SHAPE[2])))
-    sender = KvSender(prefill, "prefill", "gloo", TIMEOUT_S, Ledger())
+    sender = KvSender(prefill, "prefill", "gloo", TIMEOUT_S, Ledger(), node=NODE)
     asyncio.run_coroutine_threadsafe(sender.start(), sender_loop).result(TIMEOUT_S)
     busy, free = threading.Event(), threading.Event()
 
@@ -191,7 +184,7 @@ def test_gloo_a_fetch_never_waits_for_the_senders_event_loop():
         free.wait(TIMEOUT_S)
 
     async def main():
-        receiver = KvReceiver(DecodeEngine(random_cache(2)), "decode", "gloo", TIMEOUT_S)
+        receiver = KvReceiver(DecodeEngine(random_cache(2)), "decode", "gloo", TIMEOUT_S, node=NODE)
         assert (await receiver.fetch(lease_of(sender, "r1"), TARGET, ("r1",))).ok  # the pair opens
         assert await released(prefill, "r1")
         decode_cache = receiver.engine.kv_cache

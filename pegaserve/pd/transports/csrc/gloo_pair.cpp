@@ -1,5 +1,5 @@
-// A gloo pair's handoff with no Python between a fetch and its bytes (deployments/handoff/native.py
-// builds and loads it; transports.py holds the same protocol in Python, which runs where this cannot).
+// A gloo pair's handoff with no Python between a fetch and its bytes (pd/transports/native.py builds
+// and loads it; pd/pair_channel.py holds the same protocol in Python, which runs where this cannot).
 //
 // Decode (`pull`) sends the fetch, then posts a receive per slab straight into its cache and one for
 // the verdict (gloo holds a send until its receive is posted, so the order is free: the fetch goes
@@ -9,7 +9,7 @@
 // sides read, then the pickled request id and choice ids, which only prefill's bookkeeping reads,
 // after the verdict is on its way.
 //
-// The header's words (transports.fetch_message writes them): [0] the message's length in bytes,
+// The header's words (pair_channel.fetch_message writes them): [0] the message's length in bytes,
 // [1] runs (-1: the blocks travel packed, which the Python side does), [2] blocks, [3] the lease's
 // expiry (a double: CLOCK_MONOTONIC seconds, Python's time.monotonic()); then per run (source
 // block, target block, blocks), then the source ids, the target ids, and the generations the source
@@ -38,7 +38,7 @@ at::Tensor slabs_of(const at::Tensor& cache) {
 }
 
 // Per run, per layer, K then V: the run's blocks (side 0: source ids, 1: target ids), as
-// transports._slabs cuts them, so the tags match the Python side's.
+// pair_channel._slabs cuts them, so the tags match the Python side's.
 std::vector<at::Tensor> cut(const at::Tensor& cache, const int64_t* runs, int64_t num_runs, int side) {
   const at::Tensor flat = slabs_of(cache);
   const int64_t num_blocks = flat.size(1);
