@@ -86,7 +86,7 @@ def run_engine(
     """Submit every prompt (EOS ignored; greedy, or sampled at `temperature` with a seed each and
     `sampling`'s other parameters), step until done; (seconds, tokens per prompt)."""
     from pegaserve.engine.offline import run_until_idle, token_ids  # noqa: PLC0415
-    from pegaserve.request import EngineRequest, SamplingParams  # noqa: PLC0415
+    from pegaserve.messages import EngineRequest, SamplingParams  # noqa: PLC0415
     from pegaserve.stop import StopPolicy  # noqa: PLC0415
 
     policy = StopPolicy(new_tokens, eos_token_ids=engine.model_config.eos_token_ids, ignore_eos=True)

@@ -18,8 +18,8 @@ import torch
 from pegaserve.config import EngineConfig
 from pegaserve.engine.build import load_engine
 from pegaserve.engine.offline import num_tokens, run_until_idle
+from pegaserve.messages import EngineRequest, SamplingParams
 from pegaserve.models.tiny import Qwen3Shape, write_random_checkpoint
-from pegaserve.request import EngineRequest, SamplingParams
 from pegaserve.stop import StopPolicy
 
 QWEN3_06B_SHAPE = Qwen3Shape(

@@ -27,9 +27,9 @@ from pegaserve.api.app import build_app
 from pegaserve.api.frontend import Frontend
 from pegaserve.api.model_info import model_info, served_name
 from pegaserve.api.services import EngineClient, LocalLedgerClient
+from pegaserve.messages import EngineRequest, SampledToken, StepOutput
 from pegaserve.models.config import ModelConfig
 from pegaserve.models.tiny import DEFAULT_MODEL_NAME, ensure_model_dir
-from pegaserve.request import EngineRequest, SampledToken, StepOutput
 from pegaserve.stop import Length
 from pegaserve.tokenizer import Tokenizer
 

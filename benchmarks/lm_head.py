@@ -63,7 +63,7 @@ def microbenchmark(weight: torch.Tensor, repeats: int) -> None:
 
 def decode_steps(engine, num_steps: int) -> None:
     from pegaserve.cpu.lm_head import CpuLogits, ScreenedHead  # noqa: PLC0415
-    from pegaserve.request import EngineRequest, SamplingParams  # noqa: PLC0415
+    from pegaserve.messages import EngineRequest, SamplingParams  # noqa: PLC0415
     from pegaserve.stop import StopPolicy  # noqa: PLC0415
 
     model = engine.runner.model

@@ -27,11 +27,10 @@ from pathlib import Path
 import torch
 
 from benchmarks.reports import DOCS_DIR, RESULTS_DIR, kept_notes, machine
-from pegaserve.config import SpeculativeConfig
+from pegaserve.config import EngineConfig, SpeculativeConfig
 from pegaserve.engine.build import load_engine
-from pegaserve.engine.core import EngineConfig
 from pegaserve.engine.offline import run_until_idle, token_ids
-from pegaserve.request import EngineRequest, SamplingParams
+from pegaserve.messages import EngineRequest, SamplingParams
 from pegaserve.stop import StopPolicy
 
 OUT = DOCS_DIR  # SPECULATIVE.md

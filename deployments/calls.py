@@ -20,9 +20,9 @@ from typing import TypeVar
 
 import ray
 
+from pegaserve.messages import EngineRequest, SampledToken, StepOutput
 from pegaserve.net.channel import Address
 from pegaserve.pd.protocol import Lease
-from pegaserve.request import EngineRequest, SampledToken, StepOutput
 
 T = TypeVar("T")
 Choices = tuple[tuple[int, tuple[SampledToken, ...]], ...]  # (choice index, its tokens so far)

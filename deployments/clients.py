@@ -23,12 +23,11 @@ from pegaserve.api.services import EngineClient, LedgerClient
 from pegaserve.deployments.calls import Choices, ColocatedCall, DecodeCall, PrefillResult, pack, unpack
 from pegaserve.deployments.ledger import LedgerBuffer, stats_board
 from pegaserve.deployments.metrics import MigrationMetrics
-from pegaserve.engine.core import EngineOverloaded, RequestRejected
 from pegaserve.ledger import Finished, LedgerEvent, Migrated, Prefilled
+from pegaserve.messages import EngineOverloaded, EngineRequest, RequestRejected, SampledToken, StepOutput
 from pegaserve.net.channel import Address, Connection, connect
 from pegaserve.net.tokens import TokenInbox
 from pegaserve.pd.protocol import ReleaseLease
-from pegaserve.request import EngineRequest, SampledToken, StepOutput
 from pegaserve.sched.stream_interval import StreamInterval
 
 log = logging.getLogger("ray.serve")

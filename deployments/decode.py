@@ -14,9 +14,9 @@ from pegaserve.deployments.node import this_node
 from pegaserve.deployments.replica import QUIET
 from pegaserve.engine import commands
 from pegaserve.ledger import Fallback, KvReceived
+from pegaserve.messages import Handoff
 from pegaserve.pd.protocol import Lease
 from pegaserve.pd.receiver import KvReceiver
-from pegaserve.request import Handoff
 
 
 @serve.deployment(name="Decode", logging_config=QUIET)

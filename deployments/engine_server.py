@@ -14,9 +14,9 @@ from pegaserve.deployments.metrics import EngineMetrics
 from pegaserve.deployments.replica import check_engine, ledger_buffer, post_stats_forever, replica_name, start_engine
 from pegaserve.engine import commands
 from pegaserve.heap import freeze_startup_heap
+from pegaserve.messages import EngineRequest, Handoff
 from pegaserve.net.channel import Address
 from pegaserve.net.tokens import TokenRouter
-from pegaserve.request import EngineRequest, Handoff
 
 
 class EngineServer:

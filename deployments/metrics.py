@@ -20,7 +20,7 @@ from typing import Any
 from ray.util.metrics import Counter, Gauge, Histogram
 
 from pegaserve.api.observer import RequestObserver
-from pegaserve.engine.core import EngineStats
+from pegaserve.messages import EngineStats
 from pegaserve.stop import Abort, Eos, Error, Length, StopCause, String, Token, cause_kind, finish_reason
 
 # Fine at the low end for inter-token latency (a few ms), up to 120 s: above any timeout a request

@@ -22,8 +22,8 @@ from pegaserve.deployments.replica import (
     start_engine,
 )
 from pegaserve.heap import freeze_startup_heap
+from pegaserve.messages import EngineRequest
 from pegaserve.pd.sender import KvSender
-from pegaserve.request import EngineRequest
 from pegaserve.testing.hook import active_doubles
 
 

@@ -15,8 +15,8 @@ from pegaserve.deployments.config import AppArgs
 from pegaserve.deployments.ledger import LedgerBuffer, ledger_actor, stats_board
 from pegaserve.deployments.metrics import EngineMetrics
 from pegaserve.engine.async_engine import AsyncEngine, StepSink
-from pegaserve.engine.core import EngineStats
 from pegaserve.engine.process import EngineRecipe, ProcessLink, build_engine
+from pegaserve.messages import EngineStats
 from pegaserve.models.tiny import ensure_model_dir
 from pegaserve.testing.hook import active_doubles
 

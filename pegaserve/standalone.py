@@ -11,10 +11,10 @@ from pegaserve.api.frontend import Frontend
 from pegaserve.api.model_info import model_info, served_name
 from pegaserve.api.services import LocalEngineClient, LocalLedgerClient
 from pegaserve.attention.registry import AUTO, backend_names
-from pegaserve.config import Limits
+from pegaserve.config import EngineConfig, Limits
 from pegaserve.engine.async_engine import AsyncEngine
 from pegaserve.engine.build import load_engine
-from pegaserve.engine.core import EngineConfig, EngineCore
+from pegaserve.engine.core import EngineCore
 from pegaserve.heap import freeze_startup_heap
 from pegaserve.models.config import ModelConfig, ModelLoadError
 from pegaserve.models.tiny import DEFAULT_MODEL_NAME, ensure_model_dir

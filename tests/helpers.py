@@ -7,7 +7,7 @@ import pytest
 from pegaserve.cpu import kernels
 from pegaserve.engine.core import EngineCore
 from pegaserve.engine.offline import run_until_idle, token_ids
-from pegaserve.request import EngineRequest, SamplingParams, StepOutput
+from pegaserve.messages import EngineRequest, SamplingParams, StepOutput
 from pegaserve.stop import StopPolicy
 
 __all__ = ["EOS_IDS", "PROMPTS", "greedy_request", "kernel_marks", "on_each_kernel_build", "run_to_completion",

@@ -1,6 +1,7 @@
 """docs/contract.md token-level rules 1-7, one test each, on the policy and the engine's request."""
 
-from pegaserve.request import EngineRequest, RequestState, SampledToken, SamplingParams
+from pegaserve.messages import EngineRequest, SampledToken, SamplingParams
+from pegaserve.request import RequestState
 from pegaserve.stop import Eos, Length, StopPolicy, Token, finish_reason, stop_reason
 
 EOS = 151645

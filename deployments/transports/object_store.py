@@ -13,9 +13,9 @@ import ray
 import torch
 
 from pegaserve.engine.async_engine import AsyncEngine
+from pegaserve.messages import ParkedKv, ReceiveTarget
 from pegaserve.pd.protocol import Lease
 from pegaserve.pd.transports.base import KvTransport, LeaseKv, Receiving, to_the_end
-from pegaserve.request import ParkedKv, ReceiveTarget
 from pegaserve.runner.model_runner import pack_blocks, unpack_blocks
 
 

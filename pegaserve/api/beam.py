@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from pegaserve.api.choice import ChoiceStream
-from pegaserve.request import SampledToken, StepOutput
+from pegaserve.messages import SampledToken, StepOutput
 from pegaserve.stop import Eos, StopCause, StopPolicy, String, Token
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pegaserve.request import SampledToken, StepOutput, TokenScore, add_counts
+from pegaserve.messages import SampledToken, StepOutput, TokenScore, add_counts
 from pegaserve.stop import Eos, StopCause, String, Token
 from pegaserve.tokenizer import Detokenizer
 

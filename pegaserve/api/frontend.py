@@ -26,9 +26,15 @@ from pegaserve.api.stored_chats import StoredChat, StoredChats
 from pegaserve.api.validation import PromptPlan
 from pegaserve.api.wire import ChoiceResult, Usage, Wire
 from pegaserve.config import Limits
-from pegaserve.engine.core import EngineOverloaded, RequestRejected
 from pegaserve.ledger import Arrived, Finished, LedgerEvent, TokensCommitted
-from pegaserve.request import EngineRequest, SampledToken, SamplingParams, StepOutput
+from pegaserve.messages import (
+    EngineOverloaded,
+    EngineRequest,
+    RequestRejected,
+    SampledToken,
+    SamplingParams,
+    StepOutput,
+)
 from pegaserve.stop import Abort, Error, StopCause, StopPolicy, String
 from pegaserve.tokenizer import Tokenizer
 

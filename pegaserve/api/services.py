@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 
 from pegaserve.engine.async_engine import AsyncEngine
 from pegaserve.ledger import Ledger, LedgerEvent
-from pegaserve.request import EngineRequest, StepOutput
+from pegaserve.messages import EngineRequest, StepOutput
 
 
 class EngineClient(ABC):

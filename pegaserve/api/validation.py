@@ -15,7 +15,7 @@ from pegaserve.api.errors import ApiError, invalid
 from pegaserve.api.model_info import ModelInfo
 from pegaserve.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from pegaserve.config import Limits
-from pegaserve.request import SamplingParams
+from pegaserve.messages import SamplingParams
 from pegaserve.sample.grammar import GrammarSpec
 from pegaserve.stop import StopPolicy
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from pegaserve.api.choice import ChoiceDelta
 from pegaserve.api.tools import ToolPlan, ToolStream, parse
-from pegaserve.request import SampledToken, TokenScore, add_counts
+from pegaserve.messages import SampledToken, TokenScore, add_counts
 from pegaserve.stop import Length, StopCause, finish_reason, stop_reason
 
 NO_LOGPROB = -9999.0  # vLLM's stand-in for -inf, which JSON cannot carry

@@ -21,9 +21,9 @@ import torch
 
 from pegaserve.engine import commands
 from pegaserve.engine.commands import Command, Health
-from pegaserve.engine.core import EngineCore, EngineStats
+from pegaserve.engine.core import EngineCore
 from pegaserve.engine.loop import EngineLoop, run_loop
-from pegaserve.request import EngineRequest, Handoff, ReceiveTarget, StepOutput
+from pegaserve.messages import EngineRequest, EngineStats, Handoff, ReceiveTarget, StepOutput
 from pegaserve.stop import Error
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,8 @@ from pathlib import Path
 import torch
 
 from pegaserve.attention.registry import AUTO, make_backend
-from pegaserve.engine.core import EngineConfig, EngineCore
+from pegaserve.config import EngineConfig
+from pegaserve.engine.core import EngineCore
 from pegaserve.models.config import ModelConfig
 from pegaserve.models.loader import load_model
 

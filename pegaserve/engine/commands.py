@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pegaserve.request import EngineRequest, Handoff, ParkedKv
+from pegaserve.messages import EngineRequest, Handoff, ParkedKv
 
 
 @dataclass(frozen=True)

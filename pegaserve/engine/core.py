@@ -12,59 +12,30 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from pegaserve.config import EngineConfig, Role, SpeculativeConfig
+from pegaserve.config import EngineConfig, Role
 from pegaserve.kv.block_pool import BlockPool
 from pegaserve.kv.manager import KvCacheManager
-from pegaserve.request import EngineRequest, Handoff, ParkedKv, ReceiveTarget, RequestState, StepOutput
+from pegaserve.messages import (
+    EngineOverloaded,
+    EngineRequest,
+    EngineStats,
+    Handoff,
+    ParkedKv,
+    ReceiveTarget,
+    RequestRejected,
+    SharedReceipt,
+    StepOutput,
+)
+from pegaserve.request import RequestState
 from pegaserve.runner.model_runner import ModelRunner, copy_blocks
 from pegaserve.sample.grammar import Grammars
 from pegaserve.sched.scheduler import Scheduler
 from pegaserve.sched.speculation import make_proposer
 
 log = logging.getLogger(__name__)
-__all__ = ["EngineCore", "EngineConfig", "EngineOverloaded", "EngineStats", "RequestRejected", "Role",
-           "SpeculativeConfig"]
-
-
-class RequestRejected(ValueError):
-    """The request can never run on this engine (it names the limit it breaks)."""
-
-
-class EngineOverloaded(RuntimeError):
-    """The engine's waiting queue is full: the request may succeed later (HTTP 429)."""
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    num_waiting: int
-    num_running: int
-    num_parked: int
-    num_receiving: int
-    num_blocks: int
-    num_free_blocks: int
-    num_cached_blocks: int
-    num_preemptions: int
-    prefix_cache_queried_tokens: int
-    prefix_cache_hit_tokens: int
-    num_draft_tokens: int
-    num_accepted_tokens: int
-    num_spec_steps: int
-    num_spec_emitted_tokens: int
-
-
-@dataclass(frozen=True)
-class SharedReceipt:
-    """`add_shared_handoff`'s answer: the blocks read from the other engine's cache (those after
-    the prompt's prefix cached here) and whether they held the prompt throughout; if not, the
-    request recomputes its prompt."""
-
-    num_blocks: int
-    held: bool
-    seconds: float
 
 
 class EngineCore:

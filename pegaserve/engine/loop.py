@@ -31,7 +31,7 @@ from pegaserve.engine.commands import (
 )
 from pegaserve.engine.core import EngineCore
 from pegaserve.kv.files import MappedKvFiles
-from pegaserve.request import StepOutput
+from pegaserve.messages import StepOutput
 
 log = logging.getLogger(__name__)
 LEASE_CHECK_PERIOD_S = 0.5

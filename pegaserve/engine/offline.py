@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol
 
-from pegaserve.request import StepOutput
+from pegaserve.messages import StepOutput
 
 
 class SteppedEngine(Protocol):

@@ -22,8 +22,8 @@ import logging
 from collections import defaultdict
 from dataclasses import dataclass
 
+from pegaserve.messages import StepOutput
 from pegaserve.net.channel import Address, Connection, Listener, connect
-from pegaserve.request import StepOutput
 
 log = logging.getLogger("ray.serve")
 

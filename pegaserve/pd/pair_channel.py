@@ -33,8 +33,8 @@ from typing import Final, Protocol
 import numpy as np
 import torch
 
+from pegaserve.messages import ParkedKv
 from pegaserve.pd.protocol import Fetch
-from pegaserve.request import ParkedKv
 from pegaserve.runner.model_runner import Run, block_runs, pack_layer, unpack_layer
 
 # Below, a message's fixed cost outweighs the copies it saves: ~30 us posted from Python on a loopback

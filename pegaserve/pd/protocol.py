@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pegaserve.messages import ParkedKv
 from pegaserve.net.channel import Address
-from pegaserve.request import ParkedKv
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pegaserve.messages import ParkedKv
 from pegaserve.pd.pair_channel import FETCH_TAG, NO_TIMEOUT, PairChannel, Staging, packed_shape, slab_runs
-from pegaserve.request import ParkedKv
 
 log = logging.getLogger("ray.serve")
 HEADER_TAG = FETCH_TAG + 1

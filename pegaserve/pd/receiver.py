@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pegaserve.engine.async_engine import AsyncEngine
+from pegaserve.messages import ReceiveTarget
 from pegaserve.net.channel import Address, Connection, connect
 from pegaserve.net.node import NodeInfo
 from pegaserve.pd.pair_channel import PairChannel, Staging
@@ -29,7 +30,6 @@ from pegaserve.pd.protocol import Copied, Fetch, Lease, OpenPair, PairOffer
 from pegaserve.pd.push import Inbox
 from pegaserve.pd.transports.base import KvTransport, PairTransport, source_blocks, to_the_end
 from pegaserve.pd.transports.registry import make_transport
-from pegaserve.request import ReceiveTarget
 from pegaserve.runner.model_runner import copy_blocks
 
 log = logging.getLogger("ray.serve")

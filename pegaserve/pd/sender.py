@@ -22,13 +22,13 @@ import torch
 from pegaserve.engine import commands
 from pegaserve.engine.async_engine import AsyncEngine
 from pegaserve.ledger import KvSent
+from pegaserve.messages import EngineRequest, ParkedKv, StepOutput
 from pegaserve.net.channel import Address, Connection, Listener
 from pegaserve.net.node import NodeInfo
 from pegaserve.pd.pair_channel import MAX_FETCH_BYTES, PairChannel, Staging, block_bytes, fetch_in, packed_shape
 from pegaserve.pd.protocol import Copied, Fetch, Lease, OpenPair, ReleaseLease
 from pegaserve.pd.push import Pusher
 from pegaserve.pd.transports.registry import make_transport
-from pegaserve.request import EngineRequest, ParkedKv, StepOutput
 
 log = logging.getLogger("ray.serve")
 TOMBSTONE_S = 120.0

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from pegaserve.cpu import vocab_passes
-from pegaserve.request import SamplingParams
+from pegaserve.messages import SamplingParams
 from pegaserve.sample.passes import (
     CELL,
     FLOOR,

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pegaserve.request import SampledToken, TokenScore
+from pegaserve.messages import SampledToken, TokenScore
 from pegaserve.sample.draw import search_cumulative, uniform
 from pegaserve.sample.filters import has_filters, temperature_scale
 from pegaserve.sample.passes import exp_weights, finite_or_zero

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pegaserve.request import SamplingParams
+from pegaserve.messages import SamplingParams
 from pegaserve.sample.grammar import allowed_by
 
 

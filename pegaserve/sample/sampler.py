@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pegaserve.request import SampledToken, TokenScore
+from pegaserve.messages import SampledToken, TokenScore
 from pegaserve.sample.draw import draw_tokens
 from pegaserve.sample.filters import has_filters, lower_bounds, temperature_scales, top_logits
 from pegaserve.sample.passes import (

@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from pegaserve.cpu.lm_head import ScreenedHead
-from pegaserve.request import SampledToken
+from pegaserve.messages import SampledToken
 from pegaserve.sample.draw import draw_tokens, uniform
 from pegaserve.sample.filters import has_filters, temperature_scales
 from pegaserve.sample.on_device import sample_on_device

@@ -6,7 +6,8 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from pegaserve.request import ParkedKv, RequestState, Status
+from pegaserve.messages import ParkedKv
+from pegaserve.request import RequestState, Status
 
 
 class Leases:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pegaserve.request import SampledToken, TokenScore
+from pegaserve.messages import SampledToken, TokenScore
 
 if TYPE_CHECKING:
     from pegaserve.sample.processing import SamplingRow

@@ -20,16 +20,8 @@ from dataclasses import replace
 
 from pegaserve.config import EngineConfig, Role
 from pegaserve.kv.manager import KvCacheManager
-from pegaserve.request import (
-    EngineRequest,
-    Handoff,
-    ParkedKv,
-    ReceiveTarget,
-    RequestState,
-    SampledToken,
-    Status,
-    StepOutput,
-)
+from pegaserve.messages import EngineRequest, Handoff, ParkedKv, ReceiveTarget, SampledToken, StepOutput
+from pegaserve.request import RequestState, Status
 from pegaserve.sample.grammar import Grammars
 from pegaserve.sched.leases import Leases
 from pegaserve.sched.output import RunnerOutput, ScheduledRequest, SchedulerOutput

@@ -4,7 +4,7 @@ token) and its finish are never held; anything held is released before a failure
 
 from __future__ import annotations
 
-from pegaserve.request import StepOutput
+from pegaserve.messages import StepOutput
 
 
 class StreamInterval:

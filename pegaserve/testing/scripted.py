@@ -82,7 +82,8 @@ class ScriptedModel(nn.Module):
 
 def scripted_engine(model_dir, script: Mapping[Sequence[int], Sequence[int]], config=None):
     """An engine whose model follows `script` (see `ScriptedModel`), with the real tokenizer's vocab."""
-    from pegaserve.engine.core import EngineConfig, EngineCore  # noqa: PLC0415 - the engine imports nothing of ours
+    from pegaserve.config import EngineConfig  # noqa: PLC0415 - the engine imports nothing of ours
+    from pegaserve.engine.core import EngineCore
 
     return EngineCore(ScriptedModel(ModelConfig.from_dir(model_dir), script), config or EngineConfig())
 

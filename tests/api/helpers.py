@@ -9,8 +9,7 @@ import httpx
 import torch
 
 from pegaserve.api.frontend import Frontend
-from pegaserve.config import Limits
-from pegaserve.engine.core import EngineConfig
+from pegaserve.config import EngineConfig, Limits
 from pegaserve.standalone import build_local_frontend
 from pegaserve.testing.scripted import scripted_engine
 

@@ -13,7 +13,7 @@ import pytest
 
 from pegaserve.api.beam import BeamPlan, beam_search, num_alternatives
 from pegaserve.api.choice import ChoiceStream, StopStrings
-from pegaserve.request import SampledToken
+from pegaserve.messages import SampledToken
 from pegaserve.stop import Eos, Length, StopPolicy, String, Token
 from pegaserve.testing.contract import answer_from_body, check_ledger, ledger_keys
 from pegaserve.tokenizer import Tokenizer

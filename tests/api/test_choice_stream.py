@@ -4,9 +4,9 @@ tokenizer; rule 18 on the real engine's outputs (the scripted double), one token
 import pytest
 
 from pegaserve.api.choice import ChoiceStream, StopStrings
-from pegaserve.engine.core import EngineConfig, SpeculativeConfig
+from pegaserve.config import EngineConfig, SpeculativeConfig
 from pegaserve.engine.offline import run_until_idle
-from pegaserve.request import EngineRequest, SampledToken, SamplingParams, StepOutput
+from pegaserve.messages import EngineRequest, SampledToken, SamplingParams, StepOutput
 from pegaserve.stop import Eos, Length, StopPolicy, String, Token
 from pegaserve.testing.scripted import scripted_engine
 from pegaserve.tokenizer import Tokenizer

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from pegaserve.api.app import build_app
-from pegaserve.engine.core import EngineConfig, SpeculativeConfig
+from pegaserve.config import EngineConfig, SpeculativeConfig
 from pegaserve.tokenizer import Tokenizer
 from tests.api.helpers import scripted_frontend
 from tests.contract import cases

@@ -24,7 +24,7 @@ from pegaserve.api.protocol import (
     ChatMessage,
     ResponsesRequest,
 )
-from pegaserve.engine.core import EngineConfig
+from pegaserve.config import EngineConfig
 from pegaserve.standalone import build_local_frontend
 from pegaserve.testing.scripted import scripted_engine
 from pegaserve.tokenizer import Tokenizer

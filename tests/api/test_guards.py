@@ -10,8 +10,7 @@ import httpx
 import pytest
 
 from pegaserve.api.app import build_app
-from pegaserve.config import Limits
-from pegaserve.engine.core import EngineConfig
+from pegaserve.config import EngineConfig, Limits
 from tests.api.helpers import PROMPT, scripted_frontend
 from tests.contract.server import ThreadedServer
 

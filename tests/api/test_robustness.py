@@ -18,7 +18,7 @@ from pegaserve.api.frontend import FAILED
 from pegaserve.api.protocol import CompletionRequest
 from pegaserve.api.services import EngineClient
 from pegaserve.config import Limits
-from pegaserve.request import StepOutput
+from pegaserve.messages import StepOutput
 from pegaserve.stop import Error
 from tests.api.helpers import PROMPT, raw_json, scripted_frontend
 from tests.api.test_fuzz import (

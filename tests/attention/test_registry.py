@@ -13,8 +13,8 @@ import torch
 from pegaserve.attention import registry
 from pegaserve.attention.backend import AttentionBackend, AttentionSpec, SdpaBackend, UnsupportedAttention
 from pegaserve.attention.registry import UnknownAttentionBackend, backend_names, make_backend, register_backend
+from pegaserve.config import EngineConfig
 from pegaserve.engine.build import load_engine
-from pegaserve.engine.core import EngineConfig
 from pegaserve.models.layers import PagedAttention
 from tests.helpers import PROMPTS, greedy_request, run_to_completion, token_ids
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pegaserve.cpu import vocab_passes
-from pegaserve.request import SamplingParams
+from pegaserve.messages import SamplingParams
 from pegaserve.sample import filters, passes, sampler
 from pegaserve.sample.processing import SamplingRow
 from tests.helpers import kernel_marks

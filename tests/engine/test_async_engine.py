@@ -9,12 +9,13 @@ import signal
 
 import pytest
 
+from pegaserve.config import EngineConfig, Role
 from pegaserve.engine import commands
 from pegaserve.engine.async_engine import AsyncEngine, EngineDead
 from pegaserve.engine.build import load_engine
-from pegaserve.engine.core import EngineConfig, RequestRejected, Role
 from pegaserve.engine.offline import token_ids
 from pegaserve.engine.process import EngineRecipe, ProcessLink
+from pegaserve.messages import RequestRejected
 from pegaserve.stop import Error, Length
 from pegaserve.testing.scripted import scripted_engine
 from tests.helpers import PROMPTS, greedy_request

@@ -5,8 +5,8 @@ from dataclasses import replace
 
 import pytest
 
+from pegaserve.config import EngineConfig
 from pegaserve.engine.build import load_engine
-from pegaserve.engine.core import EngineConfig
 from pegaserve.kv.block_pool import BlockPool, hash_blocks, salt_root
 from tests.helpers import PROMPTS, greedy_request, run_to_completion, token_ids
 

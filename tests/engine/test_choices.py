@@ -5,9 +5,9 @@ import pytest
 import torch
 from transformers import Qwen3ForCausalLM
 
+from pegaserve.config import EngineConfig, Role
 from pegaserve.engine.build import load_engine
-from pegaserve.engine.core import EngineConfig, Role
-from pegaserve.request import EngineRequest, Handoff, SamplingParams
+from pegaserve.messages import EngineRequest, Handoff, SamplingParams
 from pegaserve.stop import Length, StopPolicy
 from pegaserve.testing.scripted import scripted_engine
 from tests.helpers import EOS_IDS, PROMPTS, run_to_completion, token_ids

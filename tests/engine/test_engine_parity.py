@@ -4,9 +4,9 @@ import pytest
 import torch
 from transformers import Qwen3ForCausalLM
 
+from pegaserve.config import EngineConfig, Role
 from pegaserve.cpu import lm_head
 from pegaserve.engine.build import load_engine
-from pegaserve.engine.core import EngineConfig, Role
 from tests.helpers import PROMPTS, greedy_request, run_to_completion, token_ids
 
 NEW_TOKENS = 32

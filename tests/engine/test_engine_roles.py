@@ -5,9 +5,9 @@ from dataclasses import replace
 import pytest
 import torch
 
+from pegaserve.config import EngineConfig, Role
 from pegaserve.engine.build import load_engine
-from pegaserve.engine.core import EngineConfig, Role
-from pegaserve.request import Handoff, SamplingParams
+from pegaserve.messages import Handoff, SamplingParams
 from pegaserve.stop import Eos, Length
 from pegaserve.testing.scripted import scripted_engine
 from tests.helpers import EOS_IDS, PROMPTS, greedy_request, run_to_completion, token_ids

@@ -12,8 +12,8 @@ if (reason := kernels_unavailable_reason()) is not None:
 from pegaserve.attention.backend import AttentionBatch, AttentionSpec, SdpaBackend  # noqa: E402
 from pegaserve.attention.registry import backend_class, make_backend  # noqa: E402
 from pegaserve.attention.triton import TritonBackend  # noqa: E402
+from pegaserve.config import EngineConfig  # noqa: E402
 from pegaserve.engine.build import load_engine  # noqa: E402
-from pegaserve.engine.core import EngineConfig  # noqa: E402
 from pegaserve.kernels.testing import make_paged_batch, random_qkv  # noqa: E402
 from tests.helpers import PROMPTS, greedy_request, run_to_completion, token_ids  # noqa: E402
 

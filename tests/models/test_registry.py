@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from pegaserve.config import EngineConfig
 from pegaserve.engine.build import load_engine
-from pegaserve.engine.core import EngineConfig
 from pegaserve.models import registry
 from pegaserve.models.config import ModelConfig
 from pegaserve.models.qwen3 import Qwen3ForCausalLM

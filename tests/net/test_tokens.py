@@ -8,9 +8,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+from pegaserve.messages import SampledToken, StepOutput
 from pegaserve.net.channel import Listener, connect
 from pegaserve.net.tokens import TokenInbox, TokenRouter
-from pegaserve.request import SampledToken, StepOutput
 from pegaserve.stop import Length
 
 HOST = "127.0.0.1"

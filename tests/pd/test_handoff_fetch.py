@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from pegaserve.engine.process import SHM_DIR, map_kv_file
+from pegaserve.messages import ParkedKv, ReceiveTarget
 from pegaserve.net.node import NodeInfo
 from pegaserve.pd.pair_channel import block_bytes, packed_shape
 from pegaserve.pd.protocol import Lease, SharedCache
 from pegaserve.pd.receiver import KvReceiver
 from pegaserve.pd.sender import KvSender
-from pegaserve.request import ParkedKv, ReceiveTarget
 
 TIMEOUT_S = 30.0
 SHAPE = (3, 2, 40, 4, 2, 8)  # [layers, 2, blocks, block_size, kv_heads, head_dim]

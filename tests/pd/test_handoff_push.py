@@ -12,9 +12,9 @@ from types import SimpleNamespace
 
 import torch
 
+from pegaserve.messages import ParkedKv, StepOutput
 from pegaserve.pd.receiver import KvReceiver
 from pegaserve.pd.sender import KvSender
-from pegaserve.request import ParkedKv, StepOutput
 from tests.pd.test_handoff_fetch import (
     NODE,
     PROMPT_BLOCKS,

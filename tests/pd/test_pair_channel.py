@@ -10,13 +10,13 @@ from array import array
 import pytest
 import torch
 
+from pegaserve.messages import ParkedKv
 from pegaserve.net.channel import Address
 from pegaserve.pd import pair_channel as transports
 from pegaserve.pd.pair_channel import Staging, slab_runs
 from pegaserve.pd.protocol import Fetch, Lease
 from pegaserve.pd.transports import native
 from pegaserve.pd.transports.gloo import GlooPair
-from pegaserve.request import ParkedKv
 
 TIMEOUT_S = 30.0
 LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 3, 4, 2, 8

@@ -14,12 +14,12 @@ import torch
 from pegaserve.config import EngineConfig, Role
 from pegaserve.engine.async_engine import AsyncEngine
 from pegaserve.engine.build import load_engine
+from pegaserve.messages import Handoff, ParkedKv, ReceiveTarget, StepOutput
 from pegaserve.pd.protocol import Lease
 from pegaserve.pd.receiver import KvReceiver
 from pegaserve.pd.sender import KvSender
 from pegaserve.pd.transports.base import KvTransport, LeaseKv, Receiving, to_the_end
 from pegaserve.pd.transports.registry import register_transport, transport_names, unregister_transport
-from pegaserve.request import Handoff, ParkedKv, ReceiveTarget, StepOutput
 from pegaserve.runner.model_runner import pack_blocks, unpack_blocks
 from tests.helpers import PROMPTS, greedy_request
 from tests.pd.test_handoff_fetch import NODE, TIMEOUT_S, Ledger, pairs_closed

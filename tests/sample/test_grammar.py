@@ -8,10 +8,9 @@ import pytest
 import torch
 import xgrammar
 
-from pegaserve.config import SpeculativeConfig
+from pegaserve.config import EngineConfig, Role, SpeculativeConfig
 from pegaserve.engine.build import load_engine
-from pegaserve.engine.core import EngineConfig, Role
-from pegaserve.request import EngineRequest, Handoff, SamplingParams
+from pegaserve.messages import EngineRequest, Handoff, SamplingParams
 from pegaserve.sample.grammar import Constraint, GrammarSpec, allowed_by, as_xgrammar
 from pegaserve.sample.processing import SamplingRow
 from pegaserve.sample.sampler import process_logits

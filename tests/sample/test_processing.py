@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 import torch
 
-from pegaserve.request import SamplingParams
+from pegaserve.messages import SamplingParams
 from pegaserve.sample.processing import SamplingRow, bad_word_bans
 from pegaserve.sample.sampler import process_logits, sample, score_tokens
 from tests.sample.test_sampler import CHI2_7_DOF, chi_square, drawn, random_logits, row

@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from pegaserve.request import SamplingParams
+from pegaserve.messages import SamplingParams
 from pegaserve.sample.passes import argmax_rows, log_normalizers
 from pegaserve.sample.processing import SamplingRow
 from pegaserve.sample.sampler import sample
@@ -317,8 +317,8 @@ def policy(max_tokens: int, **kw):
 
 
 def test_min_tokens_masks_eos_through_the_engine(tiny_model_dir):
-    from pegaserve.engine.core import EngineConfig
-    from pegaserve.request import EngineRequest
+    from pegaserve.config import EngineConfig
+    from pegaserve.messages import EngineRequest
     from pegaserve.stop import Eos, Token
     from pegaserve.testing.scripted import scripted_engine
     from tests.helpers import run_to_completion, token_ids
@@ -338,8 +338,8 @@ def test_min_tokens_masks_eos_through_the_engine(tiny_model_dir):
 
 
 def test_min_tokens_masks_sampled_requests_through_the_engine(tiny_model_dir):
-    from pegaserve.engine.core import EngineConfig
-    from pegaserve.request import EngineRequest
+    from pegaserve.config import EngineConfig
+    from pegaserve.messages import EngineRequest
     from pegaserve.testing.scripted import scripted_engine
     from tests.helpers import run_to_completion, token_ids
 
@@ -357,14 +357,14 @@ def test_min_tokens_masks_sampled_requests_through_the_engine(tiny_model_dir):
 
 
 def sampled(request_id: str, prompt: list[int], seed: int | None, **params):
-    from pegaserve.request import EngineRequest
+    from pegaserve.messages import EngineRequest
 
     return EngineRequest(request_id, tuple(prompt), SamplingParams(seed=seed, **params), policy(16, ignore_eos=True))
 
 
 def load_tiny_engine(tiny_model_dir, **config):
+    from pegaserve.config import EngineConfig
     from pegaserve.engine.build import load_engine
-    from pegaserve.engine.core import EngineConfig
 
     return load_engine(tiny_model_dir, EngineConfig(num_blocks=256, **config), attention_backend="sdpa")
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pegaserve.cpu.lm_head import CpuLogits, ScreenedHead
-from pegaserve.request import SamplingParams
+from pegaserve.messages import SamplingParams
 from pegaserve.sample import screened
 from pegaserve.sample.processing import SamplingRow, edit_at
 from pegaserve.sample.sampler import process_logits

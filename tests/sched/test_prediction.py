@@ -8,9 +8,9 @@ from dataclasses import replace
 
 import pytest
 
+from pegaserve.config import EngineConfig, Role
 from pegaserve.engine.build import load_engine
-from pegaserve.engine.core import EngineConfig, Role
-from pegaserve.request import SamplingParams
+from pegaserve.messages import SamplingParams
 from pegaserve.sched.speculation import PredictionProposer
 from tests.engine.test_engine_roles import prefill_then_decode
 from tests.helpers import PROMPTS, greedy_request, token_ids

@@ -9,8 +9,8 @@ from dataclasses import replace
 
 import pytest
 
+from pegaserve.config import EngineConfig
 from pegaserve.engine.build import load_engine
-from pegaserve.engine.core import EngineConfig
 from pegaserve.request import RequestState
 from pegaserve.sched.ranked_queue import RankedQueue
 from pegaserve.testing.scripted import scripted_engine

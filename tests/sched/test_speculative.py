@@ -4,10 +4,9 @@ run (docs/contract.md rule 1: nothing after the first terminal token is kept).""
 
 import pytest
 
-from pegaserve.config import SpeculativeConfig
+from pegaserve.config import EngineConfig, Role, SpeculativeConfig
 from pegaserve.engine.build import load_engine
-from pegaserve.engine.core import EngineConfig, Role
-from pegaserve.request import EngineRequest, Handoff, SamplingParams
+from pegaserve.messages import EngineRequest, Handoff, SamplingParams
 from pegaserve.sched.speculation import NgramProposer
 from pegaserve.stop import Eos, Length, StopPolicy, Token
 from pegaserve.testing.scripted import scripted_engine

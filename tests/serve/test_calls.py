@@ -8,9 +8,9 @@ import pytest
 import ray
 
 from pegaserve.deployments.calls import DecodeCall, PrefillResult, pack, unpack
+from pegaserve.messages import EngineRequest, ParkedKv, SampledToken, SamplingParams, StepOutput
 from pegaserve.net.channel import Address
 from pegaserve.pd.protocol import Lease
-from pegaserve.request import EngineRequest, ParkedKv, SampledToken, SamplingParams, StepOutput
 from pegaserve.stop import Length, StopPolicy
 
 REQUEST = EngineRequest("cmpl-1", (220, 16, 11), SamplingParams(seed=7, logit_bias=((5, 1.5),)),

@@ -5,7 +5,7 @@ import asyncio
 import itertools
 
 from pegaserve.deployments.clients import ColocatedClient
-from pegaserve.request import EngineRequest, SampledToken, SamplingParams, StepOutput
+from pegaserve.messages import EngineRequest, SampledToken, SamplingParams, StepOutput
 from pegaserve.stop import Length, StopPolicy
 
 REQUEST = EngineRequest("cmpl-1", (220, 16), SamplingParams(), StopPolicy(2, frozenset(), frozenset()), n=1)

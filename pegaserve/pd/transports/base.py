@@ -23,11 +23,11 @@ from typing import ClassVar, Protocol, TypeVar
 import torch
 
 from pegaserve.engine.async_engine import AsyncEngine
+from pegaserve.messages import ParkedKv, ReceiveTarget
 from pegaserve.net.channel import Connection
 from pegaserve.net.node import NodeInfo
 from pegaserve.pd.pair_channel import PairChannel
 from pegaserve.pd.protocol import Lease, PairOffer, SharedCache
-from pegaserve.request import ParkedKv, ReceiveTarget
 
 T = TypeVar("T")
 

@@ -13,11 +13,11 @@ import time
 
 from pegaserve.engine.async_engine import AsyncEngine
 from pegaserve.kv.files import MappedKvFiles
+from pegaserve.messages import ParkedKv, ReceiveTarget
 from pegaserve.net.node import NodeInfo
 from pegaserve.pd.protocol import Lease, SharedCache
 from pegaserve.pd.transports.base import KvTransport, LeaseKv, Receiving, source_blocks, to_the_end
 from pegaserve.pd.transports.gloo import GlooTransport
-from pegaserve.request import ParkedKv, ReceiveTarget
 from pegaserve.runner.model_runner import copy_blocks
 
 MAX_MAPPED_CACHES = 8  # prefill caches kept mapped (one per prefill replica of this node)
