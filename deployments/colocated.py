@@ -13,8 +13,7 @@ from pegaserve.engine import commands
 
 @serve.deployment(name="Colocated", logging_config=QUIET)
 class Colocated(EngineServer):
-    def __init__(self, args: dict) -> None:
-        super().__init__(args, Role.BOTH, "Colocated")
+    role, deployment = Role.BOTH, "Colocated"
 
     async def generate(self, packed_call: bytes) -> None:
         """Run a packed `ColocatedCall` (deployments/calls.py): its request, or the resume of some

@@ -21,8 +21,10 @@ from pegaserve.pd.receiver import KvReceiver
 
 @serve.deployment(name="Decode", logging_config=QUIET)
 class Decode(EngineServer):
+    role, deployment = Role.DECODE, "Decode"
+
     def __init__(self, args: dict) -> None:
-        super().__init__(args, Role.DECODE, "Decode")
+        super().__init__(args)
         self.receiver = KvReceiver(self.engine, self.name, self.args.transport, self.args.transfer_timeout_s,
                                    node=this_node())
         self.transfers = TransferMetrics(self.args.served_name, "Decode", self.receiver.transport.names)

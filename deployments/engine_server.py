@@ -7,11 +7,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable
 
-from pegaserve.config import Role
 from pegaserve.deployments.calls import Choices
-from pegaserve.deployments.config import AppArgs
-from pegaserve.deployments.metrics import EngineMetrics
-from pegaserve.deployments.replica import check_engine, ledger_buffer, post_stats_forever, replica_name, start_engine
+from pegaserve.deployments.replica import EngineReplica, replica_name
 from pegaserve.engine import commands
 from pegaserve.heap import freeze_startup_heap
 from pegaserve.messages import EngineRequest, Handoff
@@ -19,16 +16,11 @@ from pegaserve.net.channel import Address
 from pegaserve.net.tokens import TokenRouter
 
 
-class EngineServer:
-    def __init__(self, args: dict, role: Role, deployment: str) -> None:
-        self.args = AppArgs.model_validate(args)
-        self.name = replica_name()
-        self.router = TokenRouter(self.name, on_abort=self._abort)
-        self.engine = start_engine(self.args, role, on_step=self.router.on_step)
+class EngineServer(EngineReplica):
+    def __init__(self, args: dict) -> None:
+        self.router = TokenRouter(replica_name(), on_abort=self._abort)
+        super().__init__(args, on_step=self.router.on_step)
         self.engine.on_dead = self.router.fail
-        self.ledger = ledger_buffer(self.args, self.name)
-        metrics = EngineMetrics(self.args.served_name, deployment, self.name)
-        self._stats = asyncio.ensure_future(post_stats_forever(self.engine, metrics, self.name, role.value))
         freeze_startup_heap()
 
     def _abort(self, choice_id: str) -> None:
@@ -53,9 +45,3 @@ class EngineServer:
         """Continue choices that already have tokens (their replica died): recomputed here."""
         handoff = Handoff(request, choices)
         await self._serve(request, handoff.choice_ids, reply_to, tag, self.engine.call(commands.AddHandoff(handoff)))
-
-    async def check_health(self) -> None:
-        check_engine(self.engine)
-
-    def __del__(self) -> None:
-        self.engine.shutdown()

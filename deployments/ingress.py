@@ -12,10 +12,11 @@ from pegaserve.api.app import build_app
 from pegaserve.api.frontend import Frontend
 from pegaserve.api.model_info import model_info
 from pegaserve.config import Limits
-from pegaserve.deployments.clients import ActorLedgerClient, ColocatedClient, DisaggregatedClient
 from pegaserve.deployments.config import AppArgs
+from pegaserve.deployments.ledger import ActorLedgerClient
 from pegaserve.deployments.metrics import HttpStatusMetrics, IngressMetrics
 from pegaserve.deployments.node import node_ip
+from pegaserve.deployments.orchestration import ColocatedClient, DisaggregatedClient
 from pegaserve.deployments.replica import ledger_buffer, replica_name
 from pegaserve.deployments.response_store import ActorResponseStore
 from pegaserve.heap import freeze_startup_heap

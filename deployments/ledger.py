@@ -1,6 +1,5 @@
-"""The lifecycle ledger as a named Ray actor hosting a `pegaserve.ledger.Ledger`, the buffer each
-replica records through, and the board where replicas post their engine stats (one owner each:
-the ledger keeps request records, the board keeps replica stats).
+"""The lifecycle ledger as a named Ray actor hosting a `pegaserve.ledger.Ledger`, and the buffer each
+replica records through, and the ingress's `LedgerClient` over them.
 
 Events reach the ledger on a direct connection per replica (pegaserve/net/channel.py), not as Ray
 calls: on the 2-core dev machine a Ray actor call costs its caller ~1.5 ms of CPU and the actor
@@ -18,13 +17,13 @@ import time
 
 import ray
 
+from pegaserve.api.services import LedgerClient
 from pegaserve.deployments.node import node_listener
-from pegaserve.ledger import Ledger, LedgerEvent
+from pegaserve.ledger import Finished, Ledger, LedgerEvent
 from pegaserve.net.channel import Address, Connection, connect
 
 log = logging.getLogger("ray.serve")
 LEDGER_NAME = "pegaserve-ledger"
-STATS_BOARD_NAME = "pegaserve-stats"
 NAMESPACE = "pegaserve"
 LEDGER_NAMESPACE = NAMESPACE
 FLUSH_PERIOD_S = 0.01
@@ -84,31 +83,6 @@ class LedgerActor:
         return self.ledger.summary()
 
 
-@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
-class StatsBoard:
-    """The latest engine stats of every replica, so /admin/stats sees them all (a Serve call would
-    reach one replica chosen at random)."""
-
-    def __init__(self) -> None:
-        self.stats: dict[str, tuple[float, dict]] = {}
-        self.kv_servers: dict[str, object] = {}  # prefill replica -> its KV server's address (with its token)
-
-    def post(self, replica: str, stats: dict) -> None:
-        self.stats[replica] = (time.time(), stats)
-
-    def announce(self, replica: str, address) -> None:
-        self.kv_servers[replica] = address
-
-    def kv_server_addresses(self, prefix: str = "") -> list:
-        """KV servers of live prefill replicas (those that posted stats lately)."""
-        live = self.read(prefix)
-        return [a for name, a in self.kv_servers.items() if name in live]
-
-    def read(self, prefix: str = "", max_age_s: float = 30.0) -> dict:
-        now = time.time()
-        return {name: s for name, (t, s) in self.stats.items() if name.startswith(prefix) and now - t <= max_age_s}
-
-
 def _resolve(waiters: list[asyncio.Future]) -> None:
     for waiter in waiters:
         if not waiter.done():
@@ -119,11 +93,6 @@ def ledger_actor(max_records: int, journal: str | None):
     """The one ledger of this Ray cluster; detached so it outlives the app that made it."""
     return LedgerActor.options(name=LEDGER_NAME, namespace=NAMESPACE, get_if_exists=True,
                                lifetime="detached").remote(max_records, journal)
-
-
-def stats_board():
-    return StatsBoard.options(name=STATS_BOARD_NAME, namespace=NAMESPACE, get_if_exists=True,
-                              lifetime="detached").remote()
 
 
 class DetachedCalls:
@@ -258,3 +227,26 @@ class LedgerBuffer:
             except Exception:
                 log.warning("ledger heartbeat failed", exc_info=True)
             await asyncio.sleep(min(5.0, timeout_s / 3))
+
+
+class ActorLedgerClient(LedgerClient):
+    """Events queue in a buffer sent every few milliseconds; a request's finish is sent at once
+    (and awaited), so the ledger agrees with an answer before the answer ends."""
+
+    def __init__(self, buffer: LedgerBuffer) -> None:
+        self.buffer = buffer
+
+    async def record(self, events: list[LedgerEvent], component: str) -> None:
+        if any(isinstance(e, Finished) for e in events):
+            await self.buffer.record_now(events)
+        else:
+            self.buffer.record(events)
+
+    def queue(self, events: list[LedgerEvent]) -> None:
+        self.buffer.record(events)
+
+    async def get(self, request_id: str) -> dict | None:
+        return await self.buffer.detached.call(lambda: self.buffer.actor.get.remote(request_id))
+
+    async def summary(self) -> dict:
+        return await self.buffer.detached.call(lambda: self.buffer.actor.summary.remote())

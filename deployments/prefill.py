@@ -9,39 +9,37 @@ from ray import serve
 
 from pegaserve.config import Role
 from pegaserve.deployments.calls import PrefillResult, pack, unpack
-from pegaserve.deployments.config import AppArgs
-from pegaserve.deployments.ledger import stats_board
-from pegaserve.deployments.metrics import EngineMetrics
 from pegaserve.deployments.node import this_node
-from pegaserve.deployments.replica import (
-    QUIET,
-    check_engine,
-    ledger_buffer,
-    post_stats_forever,
-    replica_name,
-    start_engine,
-)
+from pegaserve.deployments.registry import kv_servers
+from pegaserve.deployments.replica import QUIET, EngineReplica
 from pegaserve.heap import freeze_startup_heap
 from pegaserve.messages import EngineRequest
 from pegaserve.pd.sender import KvSender
 from pegaserve.testing.hook import active_doubles
 
+ANNOUNCE_PERIOD_S = 1.0
+
 
 @serve.deployment(name="Prefill", logging_config=QUIET)
-class Prefill:
+class Prefill(EngineReplica):
+    role, deployment = Role.PREFILL, "Prefill"
+
     async def __init__(self, args: dict) -> None:
-        self.args = AppArgs.model_validate(args)
-        self.name = replica_name()
-        self.engine = start_engine(self.args, Role.PREFILL)
-        self.ledger = ledger_buffer(self.args, self.name)
+        super().__init__(args)
         doubles = active_doubles()
         self.sender = KvSender(self.engine, self.name, self.args.transport, self.args.transfer_timeout_s, self.ledger,
                                doubles.delay_kv_send_s if doubles else 0.0, push=self.args.push_kv, node=this_node())
         await self.sender.start()
-        metrics = EngineMetrics(self.args.served_name, "Prefill", self.name)
-        stats_board().announce.remote(self.name, self.sender.address)  # where ingresses send releases
-        self._stats = asyncio.ensure_future(post_stats_forever(self.engine, metrics, self.name, "prefill"))
+        self._announcing = asyncio.ensure_future(self._announce_forever())
         freeze_startup_heap()
+
+    async def _announce_forever(self) -> None:
+        """Tell the directory where this replica's KV server listens (where ingresses send the
+        releases of leases they will not use), again and again: silence means gone."""
+        directory = kv_servers()
+        while True:
+            directory.announce.remote(self.name, self.sender.address)
+            await asyncio.sleep(ANNOUNCE_PERIOD_S)
 
     async def prefill(self, packed_request: bytes) -> bytes:
         """The packed `PrefillResult` of a packed `EngineRequest` (deployments/calls.py)."""
@@ -53,9 +51,6 @@ class Prefill:
         return pack(PrefillResult(outputs, self.name, lease))
 
     async def check_health(self) -> None:
-        check_engine(self.engine)
+        await super().check_health()
         if not self.sender.serving:
             raise RuntimeError("the KV server stopped")
-
-    def __del__(self) -> None:
-        self.engine.shutdown()

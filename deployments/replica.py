@@ -1,5 +1,6 @@
-"""What every engine replica shares: its engine (in a process of its own), its name, its health
-check, and the loop that posts its stats and metrics."""
+"""What every engine replica shares (`EngineReplica`, the base of Prefill, Decode and Colocated): its
+engine (in a process of its own), its name, its ledger buffer, its health check, and the loop that
+posts its stats and metrics."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from ray.serve.schema import LoggingConfig
 
 from pegaserve.config import EngineConfig, Role, SpeculativeConfig
 from pegaserve.deployments.config import AppArgs
-from pegaserve.deployments.ledger import LedgerBuffer, ledger_actor, stats_board
+from pegaserve.deployments.ledger import LedgerBuffer, ledger_actor
 from pegaserve.deployments.metrics import EngineMetrics
+from pegaserve.deployments.registry import stats_board
 from pegaserve.engine.async_engine import AsyncEngine, StepSink
 from pegaserve.engine.process import EngineRecipe, ProcessLink, build_engine
 from pegaserve.messages import EngineStats
@@ -103,7 +105,7 @@ def stats_view(stats: EngineStats) -> dict:
 
 
 async def post_stats_forever(engine: AsyncEngine, metrics: EngineMetrics, name: str, role: str,
-                             extra=dict, period_s: float = 1.0) -> None:
+                             period_s: float = 1.0) -> None:
     """Every `period_s`: this replica's engine stats to the stats board (for /admin/stats, which
     must see every replica) and to the Ray metrics gauges."""
     board = stats_board()
@@ -111,7 +113,29 @@ async def post_stats_forever(engine: AsyncEngine, metrics: EngineMetrics, name: 
         try:
             stats = await engine.stats()
             metrics.update(stats)
-            board.post.remote(name, {**stats_view(stats), "role": role, **extra()})
+            board.post.remote(name, {**stats_view(stats), "role": role})
         except Exception:  # a dead engine fails the health check; this loop only reports
             log.warning("posting the engine stats failed", exc_info=True)
         await asyncio.sleep(period_s)
+
+
+class EngineReplica:
+    """A Serve replica around one engine of `role`, reported as `deployment` in metrics. Subclasses
+    add what their role serves and call `freeze_startup_heap()` once they are up."""
+
+    role: Role
+    deployment: str
+
+    def __init__(self, args: dict, on_step: StepSink | None = None) -> None:
+        self.args = AppArgs.model_validate(args)
+        self.name = replica_name()
+        self.engine = start_engine(self.args, self.role, on_step)
+        self.ledger = ledger_buffer(self.args, self.name)
+        metrics = EngineMetrics(self.args.served_name, self.deployment, self.name)
+        self._stats = asyncio.ensure_future(post_stats_forever(self.engine, metrics, self.name, self.role.value))
+
+    async def check_health(self) -> None:
+        check_engine(self.engine)
+
+    def __del__(self) -> None:
+        self.engine.shutdown()

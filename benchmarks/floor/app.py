@@ -83,7 +83,7 @@ async def completions(request: Request):
 class PdCalls:
     """P/D's Serve calls with nothing behind them: per request, one to a `Prefill` deployment that
     answers at once and one to a `Decode` deployment held open while the request streams, as
-    pegaserve's ingress makes them (deployments/clients.py)."""
+    pegaserve's ingress makes them (deployments/orchestration.py)."""
 
     def __init__(self, prefill, decode) -> None:
         self.prefill, self.decode = prefill, decode

@@ -173,7 +173,7 @@ class KvReceiver:
     def release(self, lease: Lease) -> None:
         """Tell the prefill replica, in the background, that this replica will not read the lease's
         blocks (it has them all cached, or recomputes): it frees them now, not at the lease's
-        expiry. The ingress leaves a lease to the decode call that carried it (deployments/clients.py)."""
+        expiry. The ingress leaves a lease to the decode call that carried it (deployments/orchestration.py)."""
         if not self.route(lease).frees_at_lease:
             if (peer := self._pushed_here(lease)) is not None:
                 peer.inbox.drop(lease.request_id)

@@ -140,7 +140,7 @@ def test_gloo_a_lease_not_held_turns_the_bytes_away_and_the_pair_stays_in_step()
 def test_a_lease_decode_will_not_read_is_freed_at_once_without_a_send(transport, request):
     """Every block already cached on decode, or decode recomputing (no room, a fetch that failed):
     decode tells prefill, which frees the blocks now rather than at the lease's expiry. The ingress
-    counts on it: it leaves the lease to the decode call that carried it (deployments/clients.py)."""
+    counts on it: it leaves the lease to the decode call that carried it (deployments/orchestration.py)."""
 
     async def scenario(prefill, sender, receiver):
         cached = await receiver.fetch(lease_of(sender, "cached"), ReceiveTarget((), len(PROMPT_BLOCKS)), ("cached",))

@@ -1,10 +1,10 @@
-"""An engine call's end (deployments/clients.py `_stream`): a request whose every choice finished
+"""An engine call's end (deployments/orchestration.py `_stream`): a request whose every choice finished
 leaves its call to end on its own; a request given up part way (the client left) cancels it."""
 
 import asyncio
 import itertools
 
-from pegaserve.deployments.clients import ColocatedClient
+from pegaserve.deployments.orchestration import ColocatedClient
 from pegaserve.messages import EngineRequest, SampledToken, SamplingParams, StepOutput
 from pegaserve.stop import Length, StopPolicy
 

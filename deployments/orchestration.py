@@ -1,5 +1,5 @@
 """The ingress's engine clients over Serve: P/D (prefill first, decode only for a non-terminal
-first token, docs/contract.md rule 21) and colocated; and its ledger client.
+first token, docs/contract.md rule 21) and colocated, with the release of leases it will not use.
 
 Tokens come back through the ingress's `TokenInbox`, one frame per engine step. A request whose
 replica dies (or whose stream breaks) after tokens were sent resumes on another replica from
@@ -19,11 +19,12 @@ from collections.abc import AsyncIterator, Callable
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 
-from pegaserve.api.services import EngineClient, LedgerClient
+from pegaserve.api.services import EngineClient
 from pegaserve.deployments.calls import Choices, ColocatedCall, DecodeCall, PrefillResult, pack, unpack
-from pegaserve.deployments.ledger import LedgerBuffer, stats_board
+from pegaserve.deployments.ledger import ActorLedgerClient
 from pegaserve.deployments.metrics import MigrationMetrics
-from pegaserve.ledger import Finished, LedgerEvent, Migrated, Prefilled
+from pegaserve.deployments.registry import kv_servers, stats_board
+from pegaserve.ledger import Migrated, Prefilled
 from pegaserve.messages import EngineOverloaded, EngineRequest, RequestRejected, SampledToken, StepOutput
 from pegaserve.net.channel import Address, Connection, connect
 from pegaserve.net.tokens import TokenInbox
@@ -55,7 +56,7 @@ StartCall = Callable[[Choices, int, bool], object]  # (choices with their tokens
 
 class _ServeEngineClient(EngineClient):
     def __init__(self, inbox: TokenInbox, name: str, model: str, max_migrations: int,
-                 ledger: "ActorLedgerClient", stream_interval: int = 1) -> None:
+                 ledger: ActorLedgerClient, stream_interval: int = 1) -> None:
         self.inbox = inbox
         self.stream_interval = stream_interval
         self.name = name
@@ -206,7 +207,7 @@ class DisaggregatedClient(_ServeEngineClient):
     """Prefill first; decode only when some choice's first token is not terminal (rule 21)."""
 
     def __init__(self, prefill, decode, inbox: TokenInbox, name: str, model: str, max_migrations: int,
-                 ledger: "ActorLedgerClient", stream_interval: int = 1) -> None:
+                 ledger: ActorLedgerClient, stream_interval: int = 1) -> None:
         super().__init__(inbox, name, model, max_migrations, ledger, stream_interval)
         self._prefill_call = prefill.prefill  # (each attribute of a handle is a new handle)
         self._decode_call = decode.generate
@@ -265,7 +266,7 @@ class DisaggregatedClient(_ServeEngineClient):
 
 class ColocatedClient(_ServeEngineClient):
     def __init__(self, colocated, inbox: TokenInbox, name: str, model: str, max_migrations: int,
-                 ledger: "ActorLedgerClient", stream_interval: int = 1) -> None:
+                 ledger: ActorLedgerClient, stream_interval: int = 1) -> None:
         super().__init__(inbox, name, model, max_migrations, ledger, stream_interval)
         self._generate_call = colocated.generate  # (each attribute of a handle is a new handle)
 
@@ -299,8 +300,8 @@ class LeaseReleaser:
         """The prefill replica holding `request_id` is unknown: tell every live one of the app."""
 
         async def go() -> None:
-            board = stats_board()
-            for address in await detached.call(lambda: board.kv_server_addresses.remote(prefix)):
+            directory = kv_servers()
+            for address in await detached.call(lambda: directory.addresses.remote(prefix)):
                 await self._release(address, request_id)
 
         asyncio.ensure_future(go())
@@ -315,26 +316,3 @@ class LeaseReleaser:
             connection.send(ReleaseLease(request_id))
         except (OSError, asyncio.TimeoutError):  # the prefill replica is gone, and its blocks with it
             log.warning("could not release the KV lease of %s", request_id)
-
-
-class ActorLedgerClient(LedgerClient):
-    """Events queue in a buffer sent every few milliseconds; a request's finish is sent at once
-    (and awaited), so the ledger agrees with an answer before the answer ends."""
-
-    def __init__(self, buffer: LedgerBuffer) -> None:
-        self.buffer = buffer
-
-    async def record(self, events: list[LedgerEvent], component: str) -> None:
-        if any(isinstance(e, Finished) for e in events):
-            await self.buffer.record_now(events)
-        else:
-            self.buffer.record(events)
-
-    def queue(self, events: list[LedgerEvent]) -> None:
-        self.buffer.record(events)
-
-    async def get(self, request_id: str) -> dict | None:
-        return await self.buffer.detached.call(lambda: self.buffer.actor.get.remote(request_id))
-
-    async def summary(self) -> dict:
-        return await self.buffer.detached.call(lambda: self.buffer.actor.summary.remote())
