@@ -184,7 +184,7 @@ class EngineCore:
         return self.scheduler.requests
 
     def stats(self) -> EngineStats:
-        s, spec, cache = self.scheduler, self.scheduler.spec_stats, self.kv.stats
+        s, spec, cache = self.scheduler, self.scheduler.drafter.stats, self.kv.stats
         return EngineStats(
             num_waiting=len(s.waiting),
             num_running=len(s.running),

@@ -27,7 +27,7 @@ from pegaserve.sched.leases import Leases
 from pegaserve.sched.output import RunnerOutput, ScheduledRequest, SchedulerOutput
 from pegaserve.sched.ranked_queue import RankedQueue, rank
 from pegaserve.sched.scheduled import scheduled_request
-from pegaserve.sched.speculation import PredictionProposer, Proposer, SpecStats
+from pegaserve.sched.speculation import Drafter, Proposer
 from pegaserve.stop import Abort, Error, Length, StopCause
 
 
@@ -39,8 +39,7 @@ class Scheduler:
         self.kv = kv
         self.block_size = kv.block_size
         self.max_model_len = max_model_len
-        self.proposer = proposer
-        self.predictions = PredictionProposer()  # drafts from the requests' predicted outputs
+        self.drafter = Drafter(proposer)
         self.by_priority = config.scheduling_policy == "priority"
         self.waiting: deque[RequestState] | RankedQueue = RankedQueue() if self.by_priority else deque()
         self.running: list[RequestState] = []  # by rank under the priority policy
@@ -49,7 +48,6 @@ class Scheduler:
         self.requests: dict[str, RequestState] = {}  # every live choice, by choice id
         self.groups: dict[str, tuple[str, ...]] = {}  # request id -> its choice ids (n > 1 only)
         self.num_preemptions = 0
-        self.spec_stats = SpecStats()
         self._scheduled: list[RequestState] = []  # the last schedule()'s requests, for update()
 
     @property
@@ -256,15 +254,7 @@ class Scheduler:
         draft are accepted (a draft is accepted when the target sampled it), then classified one at
         a time; nothing after the first terminal token is kept (rule 1)."""
         drafts = [s.row.draft_token_id for s in scheduled.samples if s.row.draft_token_id is not None]
-        num_accepted = 0
-        while num_accepted < len(drafts) and tokens[num_accepted].token_id == drafts[num_accepted]:
-            num_accepted += 1
-        if drafts:
-            stats = self.spec_stats
-            stats.num_steps += 1
-            stats.num_draft_tokens += len(drafts)
-            stats.num_accepted_tokens += num_accepted
-            stats.num_emitted_tokens += num_accepted + 1
+        num_accepted = self.drafter.verified(drafts, tokens)
         request.draft_token_ids = ()
         request.num_computed_tokens += scheduled.num_tokens
         predicted = bool(drafts) and request.drafts_predicted  # (before _emit proposes the next ones)
@@ -315,8 +305,10 @@ class Scheduler:
             self.kv.truncate(request, request.num_tokens)
             if self.config.role is Role.PREFILL:
                 parked = self._park(request)
-            elif (self.proposer is not None or request.engine_request.prediction) and request.sampling.grammar is None:
-                self._propose(request)  # no drafts under a grammar
+            elif self.drafter.wants(request):
+                room = min(request.policy.max_tokens - request.num_output_tokens,
+                           self.max_model_len - request.num_tokens) - 1
+                self.drafter.propose(request, room)
         return StepOutput(request.request_id, tuple(kept), cause, prompt_logprobs, parked,
                           request.num_cached_tokens if first else None)
 
@@ -329,18 +321,6 @@ class Scheduler:
         for choice in choices:
             self._finish(choice, Length())
         return outputs
-
-    def _propose(self, request: RequestState) -> None:
-        """Drafts from the request's predicted output, else from the proposer (speculative decoding)."""
-        room = min(request.policy.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
-        drafts = ()
-        if request.engine_request.prediction:
-            drafts = self.predictions.propose(request.request_id, request.engine_request.prediction, request.output_token_ids,
-                                              room)
-        request.drafts_predicted = bool(drafts)
-        if not drafts and self.proposer is not None:
-            drafts = self.proposer.propose(request.request_id, request.all_token_ids(), room)
-        request.draft_token_ids = drafts
 
     def _park(self, request: RequestState) -> ParkedKv:
         block_ids = self.kv.block_ids(request.request_id)
@@ -356,9 +336,7 @@ class Scheduler:
             self.waiting.remove(request)
         self.leases.drop(request.request_id)
         self._forget_id(request)
-        if self.proposer is not None:
-            self.proposer.forget(request.request_id)
-        self.predictions.forget(request.request_id)
+        self.drafter.forget(request.request_id)
         self.kv.forget(request)
         request.set_status(Status.FINISHED)
 

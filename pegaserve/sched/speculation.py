@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pegaserve.config import SpeculativeConfig
+from pegaserve.messages import SampledToken
+from pegaserve.request import RequestState
 
 
 @dataclass
@@ -126,3 +128,45 @@ class PredictionProposer:
 
 def make_proposer(config: SpeculativeConfig | None) -> Proposer | None:
     return None if config is None else NgramProposer(config)
+
+
+class Drafter:
+    """A scheduler's speculation: a request's drafts for its next step (from its predicted output,
+    else from the proposer), and the count of what verification accepted (`stats`)."""
+
+    def __init__(self, proposer: Proposer | None) -> None:
+        self.proposer = proposer
+        self.predictions = PredictionProposer()  # drafts from the requests' predicted outputs
+        self.stats = SpecStats()
+
+    def wants(self, request: RequestState) -> bool:
+        """Whether `request` takes drafts (none under a grammar)."""
+        return (self.proposer is not None or bool(request.engine_request.prediction)) and request.sampling.grammar is None
+
+    def propose(self, request: RequestState, room: int) -> None:
+        """Sets the request's drafts (at most `room`): its predicted output's, else the proposer's."""
+        drafts: tuple[int, ...] = ()
+        if request.engine_request.prediction:
+            drafts = self.predictions.propose(request.request_id, request.engine_request.prediction,
+                                              request.output_token_ids, room)
+        request.drafts_predicted = bool(drafts)
+        if not drafts and self.proposer is not None:
+            drafts = self.proposer.propose(request.request_id, request.all_token_ids(), room)
+        request.draft_token_ids = drafts
+
+    def verified(self, drafts: Sequence[int], tokens: Sequence[SampledToken]) -> int:
+        """How many of `drafts` the target model sampled too (up to the first it did not)."""
+        num_accepted = 0
+        while num_accepted < len(drafts) and tokens[num_accepted].token_id == drafts[num_accepted]:
+            num_accepted += 1
+        if drafts:
+            self.stats.num_steps += 1
+            self.stats.num_draft_tokens += len(drafts)
+            self.stats.num_accepted_tokens += num_accepted
+            self.stats.num_emitted_tokens += num_accepted + 1
+        return num_accepted
+
+    def forget(self, request_id: str) -> None:
+        if self.proposer is not None:
+            self.proposer.forget(request_id)
+        self.predictions.forget(request_id)

@@ -243,7 +243,7 @@ def test_a_predicted_output_changes_no_greedy_token_and_bad_ones_are_a_400(tiny_
         plain = plain_body["choices"][0]
         assert plain["token_ids"] == answer and "completion_tokens_details" not in plain_body["usage"]
         half = len(text) // 2
-        stats = engine.scheduler.spec_stats
+        stats = engine.scheduler.drafter.stats
         for content in (text, [{"type": "text", "text": text[:half]}, {"type": "text", "text": text[half:]}],
                         " the quick brown cat sleeps"):
             before = (stats.num_accepted_tokens, stats.num_draft_tokens)

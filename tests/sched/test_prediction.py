@@ -59,7 +59,7 @@ def test_a_right_prediction_takes_fewer_steps_and_changes_no_token(tiny_model_di
     for rid in expected:  # the logprobs too, token by token
         got = [t.logprob for o in outputs[rid] for t in o.tokens]
         assert got == pytest.approx([t.logprob for o in plain_outputs[rid] for t in o.tokens], abs=1e-3)
-    assert engine.scheduler.spec_stats.num_accepted_tokens >= 2 * ((NEW_TOKENS - 1) - 8)  # nearly every token
+    assert engine.scheduler.drafter.stats.num_accepted_tokens >= 2 * ((NEW_TOKENS - 1) - 8)  # nearly every token
     for rid in expected:
         assert steps[rid] * 3 <= plain_steps[rid], (steps, plain_steps)
     engine.pool.check_conservation()
@@ -70,12 +70,12 @@ def test_a_wrong_or_partly_right_prediction_changes_no_token(tiny_model_dir, pla
     engine = load_engine(tiny_model_dir, EngineConfig(num_blocks=128), "sdpa")
     wrong = tuple(range(3000, 3000 + NEW_TOKENS))
     assert run(engine, requests({rid: wrong for rid in expected}))[0] == expected
-    assert engine.scheduler.spec_stats.num_accepted_tokens == 0
+    assert engine.scheduler.drafter.stats.num_accepted_tokens == 0
     # a few tokens replaced in the middle and a stretch left out: the proposer finds its place again
     partly = {rid: (*ids[:10], 5, 6, 7, *ids[10:16], *ids[20:]) for rid, ids in expected.items()}
     engine = load_engine(tiny_model_dir, EngineConfig(num_blocks=128), "sdpa")
     assert run(engine, requests(partly))[0] == expected
-    assert engine.scheduler.spec_stats.num_accepted_tokens > NEW_TOKENS
+    assert engine.scheduler.drafter.stats.num_accepted_tokens > NEW_TOKENS
 
 
 def test_decode_drafts_from_the_prediction_after_a_handoff(tiny_model_dir, plain):
@@ -84,7 +84,7 @@ def test_decode_drafts_from_the_prediction_after_a_handoff(tiny_model_dir, plain
     decode = load_engine(tiny_model_dir, EngineConfig(role=Role.DECODE, num_blocks=128), "sdpa")
     tokens, _, _ = prefill_then_decode(prefill, decode, requests(predictions_of(expected)))
     assert tokens == expected
-    assert decode.scheduler.spec_stats.num_accepted_tokens > NEW_TOKENS
+    assert decode.scheduler.drafter.stats.num_accepted_tokens > NEW_TOKENS
 
 
 def test_the_proposer_follows_loses_and_finds_its_place():
