@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 import pegaserve.deployments.transports  # noqa: F401 - registers the Ray-backed KV transports
+from pegaserve.api.guards import LOOPBACK_HOSTS
 from pegaserve.api.model_info import served_name
 from pegaserve.attention.registry import AUTO, check_backend_name
 from pegaserve.config import EngineConfig, Limits, SpeculativeConfig
@@ -78,9 +79,18 @@ class LimitsArgs(BaseModel):
     max_body_bytes: int = Field(LIMITS.max_body_bytes, ge=1024, description="admits a ~1 MB whole-vocabulary stop set")
     max_prompt_tokens: int | None = Field(LIMITS.max_prompt_tokens, ge=1, description="None: only the context limits prompts")
     max_tokens: int | None = Field(LIMITS.max_tokens, ge=1, description="cap on max_tokens; None: only the context")
+    max_request_tokens: int | None = Field(
+        LIMITS.max_request_tokens, ge=1, description="work one request may ask: its choices (prompts times n) times "
+        "prompt and max_tokens, in tokens; past it a 400 naming n. None: no cap")
+    max_echo_bytes: int = Field(
+        LIMITS.max_echo_bytes, ge=0, description="echo: the prompt's text times the choices it is shown in, in bytes; "
+        "past it a 400 naming echo")
     trust_request_chat_template: bool = Field(
         LIMITS.trust_request_chat_template, description="render a chat request's own `chat_template` (in transformers' sandbox), as vLLM's "
         "--trust-request-chat-template; otherwise such a request is a 400")
+    refuse_unknown_fields: bool = Field(
+        LIMITS.refuse_unknown_fields, description="a request field the API does not know is a 400 naming it, as "
+        "OpenAI's; off: it is logged and left out, as vLLM does, for clients that send vendor extras")
 
 
 class AppArgs(BaseModel):
@@ -112,9 +122,13 @@ class AppArgs(BaseModel):
     )
     api_keys: list[str] = Field(
         default_factory=list,
-        description="when non-empty, /v1 and /admin need `Authorization: Bearer <key>`; "
+        description="when non-empty, every route but /health needs `Authorization: Bearer <key>`; "
         f"{API_KEYS_ENV} (comma-separated) adds keys without writing them into the YAML",
     )
+    allowed_hosts: list[str] = Field(
+        default_factory=lambda: list(LOOPBACK_HOSTS),
+        description="without api_keys, the Host names served (a request naming another is a 400, so that a web "
+        "page cannot reach the server through a DNS name rebound to this machine); '*' serves any")
     max_inflight_requests: int | None = Field(512, ge=1, description="per ingress replica, before 429")
     max_migrations: int = Field(
         2, ge=0, description="times a request resumes on another decode replica after its replica died")

@@ -54,7 +54,7 @@ class Ingress:
     def __serve_build_asgi_app__(self):
         # Serve answers every request with its X-Request-Id (the client's, else one it made): not twice
         app = build_app(self.frontend, self.args.all_api_keys(), self.args.max_inflight_requests,
-                        echo_request_id=False)
+                        echo_request_id=False, allowed_hosts=tuple(self.args.allowed_hosts))
         app.add_middleware(HttpStatusMetrics, model=self.args.served_name)  # outermost: counts the guards' too
         return app
 

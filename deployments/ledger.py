@@ -39,6 +39,7 @@ class LedgerActor:
     def __init__(self, max_records: int = 10_000, journal: str | None = None) -> None:
         self.ledger = Ledger(max_records, journal)
         self.alive_until: dict[str, float] = {}  # an ingress -> when its silence means it died
+        self.applied: dict[str, int] = {}  # a replica -> the last batch of its recorded here (its seq)
         self._listener = node_listener(self._serve)
         self._listening: asyncio.Future | None = None
 
@@ -50,9 +51,14 @@ class LedgerActor:
         return await asyncio.shield(self._listening)
 
     async def _serve(self, connection: Connection) -> None:
+        """Each batch is recorded once: one sent again (its ack was lost with a connection) is only
+        acknowledged again."""
         while (message := await connection.recv()) is not None:
             seq, batches = message
-            self.record(batches)
+            sender = batches[0][0] if batches else ""
+            if seq > self.applied.get(sender, 0):
+                self.applied[sender] = seq
+                self.record(batches)
             connection.send(seq)
 
     def record(self, batches: list[tuple[str, list[LedgerEvent]]]) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 
 from ray.util.metrics import Counter, Gauge, Histogram
 
+from pegaserve.api.guards import route_path
 from pegaserve.api.observer import RequestObserver
 from pegaserve.messages import EngineStats
 from pegaserve.stop import Abort, Eos, Error, Length, StopCause, String, Token, cause_kind, finish_reason
@@ -229,10 +230,7 @@ def status_class(code: int) -> str:
 
 def endpoint_of(scope: Scope) -> str:
     """The route a request went to, from a fixed set (an id in the path never makes a new series)."""
-    path, root = scope.get("path", ""), scope.get("root_path", "")
-    if root and path.startswith(root):
-        path = path[len(root):]
-    path = path.rstrip("/")
+    path = route_path(scope).rstrip("/")
     for endpoint in ENDPOINTS:
         if path == endpoint or path.startswith(endpoint + "/"):
             return endpoint

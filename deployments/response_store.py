@@ -31,7 +31,7 @@ class ResponseStoreActor:
     async def select(self, prefix: str) -> list[dict]:
         return await self.store.select(prefix)
 
-    async def replace(self, response_id: str, stored: dict, statuses: tuple[str, ...]) -> bool:
+    async def replace(self, response_id: str, stored: dict, statuses: tuple[str, ...] | None) -> bool:
         return await self.store.replace(response_id, stored, statuses)
 
     async def keep_alive(self, response_id: str, until: float, events: list[dict] = ()) -> bool:
@@ -58,7 +58,7 @@ class ActorResponseStore(ResponseStore):
     async def select(self, prefix: str) -> list[dict]:
         return await self.detached.call(lambda: self.actor.select.remote(prefix))
 
-    async def replace(self, response_id: str, stored: dict, statuses: tuple[str, ...]) -> bool:
+    async def replace(self, response_id: str, stored: dict, statuses: tuple[str, ...] | None) -> bool:
         return await self.detached.call(lambda: self.actor.replace.remote(response_id, stored, statuses))
 
     async def keep_alive(self, response_id: str, until: float, events: list[dict] = ()) -> bool:

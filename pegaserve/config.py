@@ -62,8 +62,11 @@ class Limits:
     max_prompt_tokens: int | None = None  # None: only the context length limits the prompt
     max_tokens: int | None = None  # a cap on max_tokens; None: only the context limits it
     max_choices: int = 128  # choices in one request: prompts times n (OpenAI's n is at most 128)
+    max_request_tokens: int | None = None  # work per request: choices times (prompt + max_tokens); None: no cap
+    max_echo_bytes: int = 16 << 20  # echo: the prompt's text times the choices it is shown in
     max_logit_bias: int = 2048  # entries in logit_bias
     max_bad_words: int = 128
     max_bad_word_chars: int = 256
     scheduling_policy: str = "fcfs"  # the engines': `priority` is accepted only under "priority"
     trust_request_chat_template: bool = False  # vLLM's --trust-request-chat-template
+    refuse_unknown_fields: bool = True  # a field the API does not know is a 400 naming it (off: logged, left out)

@@ -9,12 +9,12 @@ steps, a width-n search of L tokens making n·L of them), which so push out no c
 
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pegaserve.journal import Journal
 from pegaserve.stop import (
     Eos,
     Error,
@@ -142,35 +142,26 @@ class Ledger:
         self._cause_counts: Counter[str] = Counter()
         self._num_internal = 0  # finished internal records (Arrived.internal)
         self._num_evicted = 0
-        self._journal = Path(journal) if journal else None
+        self._journal = Journal(journal) if journal else None
         if self._journal is not None:
             self._restore()
 
     def _restore(self) -> None:
-        if not self._journal.exists():
-            self._journal.parent.mkdir(parents=True, exist_ok=True)
-            return
-        with self._journal.open() as f:
-            for line in f:
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a torn last line from a crash mid-write
-                if record.get("internal", False):
-                    self._keep_internal(record["request_id"], record)
-                    continue
-                self._restored[record["request_id"]] = record
-                self._restored.move_to_end(record["request_id"])
-                if len(self._restored) > self.max_records:
-                    self._restored.popitem(last=False)
+        for record in self._journal.read():
+            if record.get("internal", False):
+                self._keep_internal(record["request_id"], record)
+                continue
+            self._restored[record["request_id"]] = record
+            self._restored.move_to_end(record["request_id"])
+            if len(self._restored) > self.max_records:
+                self._restored.popitem(last=False)
         for record in (*self._restored.values(), *self._internal.values()):  # all JSON here
             self._count(record["status"], record["stop_cause"]["kind"], record.get("internal", False))
             self._num_violations += len(record["violations"])
 
     def _append_to_journal(self, rec: _Record) -> None:
         if self._journal is not None:
-            with self._journal.open("a") as f:
-                f.write(json.dumps(_to_json(rec)) + "\n")
+            self._journal.append(_to_json(rec))
 
     def record(self, events: list[LedgerEvent], component: str, t: float | None = None) -> None:
         t = time.time() if t is None else t
@@ -181,6 +172,8 @@ class Ledger:
             rec.events.append((_event_name(event), t, component))
             self._apply(rec, event)
         self._evict()
+        if self._journal is not None:
+            self._journal.sync()
 
     def _apply(self, rec: _Record, event: LedgerEvent) -> None:
         match event:
@@ -251,6 +244,8 @@ class Ledger:
             event = Finished(rec.request_id, Error(reason), rec.prompt_tokens or 0, len(rec.committed_token_ids))
             rec.events.append(("finished", time.time(), "ledger"))
             self._finish(rec, event)
+        if self._journal is not None:
+            self._journal.sync()
         return len(orphans)
 
     def get(self, request_id: str) -> dict | None:
@@ -271,6 +266,8 @@ class Ledger:
             "by_stop_cause": dict(self._cause_counts),
             "internal_requests": self._num_internal,
             "invariant_violations": self._num_violations,
+            **({"journal_failures": self._journal.num_write_failures,
+                "journal_skipped_lines": self._journal.num_skipped_lines} if self._journal is not None else {}),
         }
 
 

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from pegaserve.api.app import build_app
 from pegaserve.api.frontend import Frontend
+from pegaserve.api.guards import LOOPBACK_HOSTS
 from pegaserve.api.model_info import model_info, served_name
 from pegaserve.api.services import LocalEngineClient, LocalLedgerClient
 from pegaserve.attention.registry import AUTO, backend_names
@@ -45,6 +46,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m pegaserve", description=__doc__)
     parser.add_argument("--model", default=DEFAULT_MODEL_NAME, help="qwen3-tiny or a local HF model directory")
     parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--api-key", action="append", default=[], help="needed as `Authorization: Bearer` (repeatable)")
+    parser.add_argument("--allowed-hosts", default=",".join(LOOPBACK_HOSTS),
+                        help="without a key, the Host names served, comma-separated ('*': any)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--attention-backend", default=AUTO, choices=backend_names())
     parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's own context")
@@ -54,6 +58,6 @@ def main(argv: list[str] | None = None) -> None:
                                         attention_backend=args.attention_backend)
     except ModelLoadError as exc:  # e.g. an architecture no family is registered for: one line, no traceback
         parser.exit(2, f"{parser.prog}: {exc}\n")
-    app = build_app(frontend)
+    app = build_app(frontend, tuple(args.api_key), allowed_hosts=tuple(h for h in args.allowed_hosts.split(",") if h))
     freeze_startup_heap()
     uvicorn.run(app, host=args.host, port=args.port)

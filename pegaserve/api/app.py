@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Literal, TypeVar
 
 import orjson
@@ -19,7 +20,7 @@ from pegaserve.api import tokenize
 from pegaserve.api.body import parse_body
 from pegaserve.api.errors import ApiError, invalid
 from pegaserve.api.frontend import FAILED, Frontend, Job
-from pegaserve.api.guards import Guards
+from pegaserve.api.guards import LOOPBACK_HOSTS, Guards
 from pegaserve.api.jobs import chat_job, completion_job
 from pegaserve.api.protocol import (
     ChatCompletionRequest,
@@ -42,16 +43,16 @@ T = TypeVar("T")
 
 
 def build_app(frontend: Frontend, api_keys: tuple[str, ...] = (), max_inflight: int | None = None,
-              echo_request_id: bool = True) -> FastAPI:
-    """The OpenAI app. With `api_keys`, every /v1, /admin and tokenizer route needs
-    `Authorization: Bearer`; past `max_inflight` concurrent generations the API answers 429 with
-    Retry-After. A response carries the client's X-Request-Id (or its own id) unless
+              echo_request_id: bool = True, allowed_hosts: tuple[str, ...] = LOOPBACK_HOSTS) -> FastAPI:
+    """The OpenAI app. With `api_keys`, every route but /health needs `Authorization: Bearer`;
+    without, only `allowed_hosts` are served (api/guards.py says why); past `max_inflight`
+    concurrent generations the API answers 429 with Retry-After. A response carries the client's X-Request-Id (or its own id) unless
     `echo_request_id` is off: behind Ray Serve, which sets that header itself, it would be there twice."""
     app = FastAPI(title="pegaserve", version="0.1.0")
     app.state.frontend = frontend
     _install_error_handlers(app)
     app.add_middleware(Guards, api_keys=tuple(api_keys), max_body_bytes=frontend.limits.max_body_bytes,
-                       max_inflight=max_inflight)
+                       max_inflight=max_inflight, allowed_hosts=tuple(allowed_hosts))
 
     @app.get("/health")
     async def health() -> dict:
@@ -73,8 +74,8 @@ def build_app(frontend: Frontend, api_keys: tuple[str, ...] = (), max_inflight: 
 
     async def generate(request: Request, fields: type, make_job: Callable[..., Job]):
         def build() -> Job:
-            body = parse_body(raw, fields)
-            return make_job(frontend, body, _client_id(request, body, echo_request_id))
+            body = parse_body(raw, fields, frontend.limits.refuse_unknown_fields)
+            return replace(make_job(frontend, body, _client_id(request, body, echo_request_id)), owner=_owner(request))
 
         raw = await request.body()
         return await _respond(frontend, await off_the_loop_if_large(raw, build), echo_request_id=echo_request_id)
@@ -92,33 +93,34 @@ def build_app(frontend: Frontend, api_keys: tuple[str, ...] = (), max_inflight: 
                            order: Literal["asc", "desc"] = "asc") -> dict:
         metadata = {key[len("metadata["):-1]: value for key, value in request.query_params.items()
                     if key.startswith("metadata[") and key.endswith("]")}
-        return await frontend.chats.list(model, metadata, after, limit, order)
+        return await frontend.chats.list(model, metadata, after, limit, order, _owner(request))
 
     @app.get("/v1/chat/completions/{completion_id}")
-    async def stored_chat(completion_id: str) -> dict:
-        return (await frontend.chats.get(completion_id))["completion"]
+    async def stored_chat(completion_id: str, request: Request) -> dict:
+        return (await frontend.chats.get(completion_id, _owner(request)))["completion"]
 
     @app.post("/v1/chat/completions/{completion_id}")
     async def update_stored_chat(completion_id: str, request: Request) -> dict:
-        return await frontend.chats.update(completion_id, parse_body(await request.body(), ChatUpdate).metadata)
+        update = parse_body(await request.body(), ChatUpdate)
+        return await frontend.chats.update(completion_id, update.metadata, _owner(request))
 
     @app.delete("/v1/chat/completions/{completion_id}")
-    async def delete_stored_chat(completion_id: str) -> dict:
-        return await frontend.chats.delete(completion_id)
+    async def delete_stored_chat(completion_id: str, request: Request) -> dict:
+        return await frontend.chats.delete(completion_id, _owner(request))
 
     @app.get("/v1/chat/completions/{completion_id}/messages")
-    async def stored_chat_messages(completion_id: str, after: str | None = None, limit: int = 20,
+    async def stored_chat_messages(completion_id: str, request: Request, after: str | None = None, limit: int = 20,
                                    order: Literal["asc", "desc"] = "asc") -> dict:
-        return await frontend.chats.messages(completion_id, after, limit, order)
+        return await frontend.chats.messages(completion_id, after, limit, order, _owner(request))
 
     @app.post("/v1/responses")
     async def responses(request: Request):
         raw = await request.body()
-        body = await off_the_loop_if_large(raw, lambda: parse_body(raw, ResponsesRequest))
-        previous = await continued(frontend.background, body)
+        body = await off_the_loop_if_large(raw, lambda: parse_body(raw, ResponsesRequest, frontend.limits.refuse_unknown_fields))
+        previous = await continued(frontend.background, body, _owner(request))
 
         def build() -> tuple[Job, ResponseView]:
-            return responses_job(frontend, body, _client_id(request, body, echo_request_id), previous)
+            return responses_job(frontend, body, _client_id(request, body, echo_request_id), previous, _owner(request))
 
         job, view = await off_the_loop_if_large(raw, build)
         if body.background:
@@ -131,16 +133,16 @@ def build_app(frontend: Frontend, api_keys: tuple[str, ...] = (), max_inflight: 
     def not_stored(response_id: str) -> ApiError:
         return ApiError(f"no stored response {response_id[:80]!r}", param="response_id", status=404)
 
-    async def stored(response_id: str) -> dict:
-        found = await frontend.background.get(response_id)
+    async def stored(response_id: str, request: Request) -> dict:
+        found = await frontend.background.get(response_id, _owner(request))
         if found is None:
             raise not_stored(response_id)
         return found
 
     @app.get("/v1/responses/{response_id}")
-    async def stored_response(response_id: str, stream: bool = False, starting_after: int | None = None,
-                              include_obfuscation: bool = False):
-        found = await stored(response_id)
+    async def stored_response(response_id: str, request: Request, stream: bool = False,
+                              starting_after: int | None = None, include_obfuscation: bool = False):
+        found = await stored(response_id, request)
         if include_obfuscation:
             raise invalid("include_obfuscation", "is not supported (only false)")
         if starting_after is not None and (not stream or starting_after < 0):
@@ -153,16 +155,17 @@ def build_app(frontend: Frontend, api_keys: tuple[str, ...] = (), max_inflight: 
                                                               else starting_after), {})
 
     @app.get("/v1/responses/{response_id}/input_items")
-    async def stored_input_items(response_id: str, order: Literal["asc", "desc"] = "desc", limit: int = 20,
-                                 after: str | None = None) -> dict:
-        return page((await stored(response_id))["input"], after, limit, order, key=lambda item: item["id"])
+    async def stored_input_items(response_id: str, request: Request, order: Literal["asc", "desc"] = "desc",
+                                 limit: int = 20, after: str | None = None) -> dict:
+        return page((await stored(response_id, request))["input"], after, limit, order, key=lambda item: item["id"])
 
     @app.post("/v1/responses/{response_id}/cancel")
-    async def cancel_response(response_id: str) -> dict:
-        return await frontend.background.cancel(response_id, await stored(response_id))
+    async def cancel_response(response_id: str, request: Request) -> dict:
+        return await frontend.background.cancel(response_id, await stored(response_id, request))
 
     @app.delete("/v1/responses/{response_id}")
-    async def delete_response(response_id: str) -> dict:
+    async def delete_response(response_id: str, request: Request) -> dict:
+        await stored(response_id, request)
         if not await frontend.responses.delete(response_id):
             raise not_stored(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
@@ -170,11 +173,11 @@ def build_app(frontend: Frontend, api_keys: tuple[str, ...] = (), max_inflight: 
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> dict:
         raw = await request.body()
-        return await off_the_loop_if_large(raw, lambda: tokenize.tokenize(frontend, parse_body(raw, TokenizeRequest)))
+        return await off_the_loop_if_large(raw, lambda: tokenize.tokenize(frontend, parse_body(raw, TokenizeRequest, frontend.limits.refuse_unknown_fields)))
 
     @app.post("/detokenize")
     async def detokenize_route(request: Request) -> dict:
-        return tokenize.detokenize(frontend, parse_body(await request.body(), DetokenizeRequest))
+        return tokenize.detokenize(frontend, parse_body(await request.body(), DetokenizeRequest, frontend.limits.refuse_unknown_fields))
 
     @app.get("/admin/ledger")
     async def ledger_summary() -> dict:
@@ -200,6 +203,11 @@ async def off_the_loop_if_large(raw: bytes, build: Callable[[], T]) -> T:
     if len(raw) < LARGE_BODY_BYTES:
         return build()
     return await asyncio.to_thread(build)
+
+
+def _owner(request: Request) -> str | None:
+    """Whose key the request came with (api/guards.py sets it); None on a server without keys."""
+    return getattr(request.state, "owner", None)
 
 
 def _client_id(request: Request, body: SamplingKnobs, header_is_clients: bool) -> str | None:

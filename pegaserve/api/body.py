@@ -3,17 +3,23 @@ failure is a 400 naming the parameter (never a 422 or a 500)."""
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
 from pegaserve.api.errors import ApiError, invalid
 
+log = logging.getLogger(__name__)
 Model = TypeVar("Model", bound=BaseModel)
 
 
-def parse_body(raw: bytes, model: type[Model]) -> Model:
+def parse_body(raw: bytes, model: type[Model], refuse_unknown: bool = True) -> Model:
+    """The body as `model`. A top-level field `model` does not know is a 400 naming it (OpenAI's
+    "Unrecognized request argument"), or with `refuse_unknown` off, logged and left out (vLLM's way,
+    for clients that send vendor extras)."""
     try:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -31,10 +37,22 @@ def parse_body(raw: bytes, model: type[Model]) -> Model:
                               "holds text that is not valid Unicode (a lone surrogate)")
     except RecursionError:  # json.loads took a nesting the walk's deeper stack cannot
         raise ApiError("the request body is nested too deeply", param=None) from None
+    if unknown := [key for key in data if key not in known_fields(model)]:
+        if refuse_unknown:
+            raise ApiError(f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0])
+        log.warning("fields left out of a request, as unknown: %s", ", ".join(map(repr, unknown[:16])))
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         raise complaint(exc) from None
+
+
+@functools.cache
+def known_fields(model: type[BaseModel]) -> frozenset[str]:
+    """The names a body may use at the top level: each field's, and its alias."""
+    names = set(model.model_fields)
+    names.update(f.alias for f in model.model_fields.values() if f.alias)
+    return frozenset(names)
 
 
 def _may_hold_surrogates(raw: bytes) -> bool:

@@ -57,6 +57,7 @@ class Job:
     continuous_usage: bool = False
     beam: BeamPlan | None = None  # use_beam_search: the choices are the best beams (pegaserve/api/beam.py)
     stored: StoredChat | None = None  # chat's `store`: the whole completion is kept (pegaserve/api/stored_chats.py)
+    owner: str | None = None  # whose key asked (api/guards.py `owner_of`): what it stores is theirs alone
 
     def engine_request(self, p: int) -> EngineRequest:
         """Prompt p's engine request; its id is unique per HTTP request and per prompt."""
@@ -136,7 +137,7 @@ class Frontend:
         """The whole completion, once stored if the job is to be (before the client has all of it)."""
         body = job.wire.response(results, job.usage(results))
         if job.stored is not None:
-            await self.chats.keep(body, job.stored.messages, job.stored.metadata)
+            await self.chats.keep(body, job.stored, job.owner)
         return body
 
     async def ledger_record(self, key: str) -> dict | None:

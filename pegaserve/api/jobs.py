@@ -25,7 +25,9 @@ from pegaserve.api.protocol import (
 )
 from pegaserve.api.stored_chats import StoredChat, check_metadata
 from pegaserve.api.tools import ToolPlan, chat_tools
+from pegaserve.api.validation import PromptPlan
 from pegaserve.api.wire import Endpoint, Wire
+from pegaserve.config import Limits
 from pegaserve.tokenizer import Tokenizer
 
 MAX_CLIENT_ID_CHARS = 256
@@ -55,7 +57,7 @@ def completion_job(frontend: Frontend, body: CompletionRequest, header_id: str |
                                    bad_words=banned, grammar=grammar, logprob_token_ids=listed))
     response_id = new_response_id("cmpl")
     wire = _wire(frontend, body, Endpoint.COMPLETIONS, response_id, num_top, echo=body.echo)
-    return _job(body, response_id, header_id, plans, wire, v.beam_search(body, grammar))
+    return _job(body, response_id, header_id, plans, wire, v.beam_search(body, grammar), frontend.limits)
 
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions (chat: the context left)
@@ -86,7 +88,7 @@ def chat_job(frontend: Frontend, body: ChatCompletionRequest, header_id: str | N
     stored = None
     if body.store:
         stored = StoredChat([m.model_dump(mode="json", exclude_unset=True) for m in body.messages], body.metadata)
-    return replace(_job(body, response_id, header_id, [plan], wire, beam), stored=stored)
+    return replace(_job(body, response_id, header_id, [plan], wire, beam, frontend.limits), stored=stored)
 
 
 def chat_prompt_ids(frontend: Frontend, body: ChatCompletionRequest, tools: list[dict] | None) -> list[int]:
@@ -120,7 +122,8 @@ def predicted_tokens(frontend: Frontend, body: ChatCompletionRequest, no_drafts:
 
 
 def _job(body: SamplingFields, response_id: str, header_id: str | None, plans: list, wire: Wire,
-         beam: BeamPlan | None) -> Job:
+         beam: BeamPlan | None, limits: Limits) -> Job:
+    _check_budget(plans, body.n, limits)
     options = body.stream_options
     return Job(
         response_id=response_id,
@@ -133,6 +136,19 @@ def _job(body: SamplingFields, response_id: str, header_id: str | None, plans: l
         continuous_usage=bool(options and options.continuous_usage_stats),
         beam=beam,
     )
+
+
+def _check_budget(plans: list[PromptPlan], n: int, limits: Limits) -> None:
+    """What one request may ask of the server: the tokens its choices hold in the KV cache at most,
+    and the echoed prompt text its answer repeats in every choice."""
+    work = n * sum(len(p.prompt_token_ids) + p.policy.max_tokens for p in plans)
+    if limits.max_request_tokens is not None and work > limits.max_request_tokens:
+        raise invalid("n", f"{len(plans)} prompt(s) times n={n} choices of prompt and max_tokens come to {work} "
+                           f"tokens, past this server's max_request_tokens ({limits.max_request_tokens})")
+    echoed = n * sum(len(p.echo_text.encode()) for p in plans)
+    if echoed > limits.max_echo_bytes:
+        raise invalid("echo", f"the prompt's text shown in each of {n * len(plans)} choices comes to {echoed} bytes, "
+                              f"past this server's max_echo_bytes ({limits.max_echo_bytes})")
 
 
 def _wire(frontend: Frontend, body: SamplingFields, endpoint: Endpoint, response_id: str, num_top: int | None,

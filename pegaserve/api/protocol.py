@@ -3,8 +3,9 @@
 Every field is one of three kinds, and tests/api/test_fields.py holds each to its kind:
 implemented (docs/api.md), accepted with no effect by definition (`user`, `metadata`,
 `parallel_tool_calls` without tools...), or in `REFUSED`: accepted only at its default, otherwise a
-400 naming it. An explicit `null` means the default for every field. Unknown fields are ignored, as
-vLLM and OpenAI do. Numbers must be finite (NaN and infinities are a 400).
+400 naming it. An explicit `null` means the default for every field. A top-level field not
+declared here is a 400 naming it, as OpenAI answers (`limits.refuse_unknown_fields: false` logs and
+leaves it out instead, as vLLM does; api/body.py). Numbers must be finite (NaN and infinities are a 400).
 """
 
 from __future__ import annotations

@@ -59,39 +59,44 @@ class StoredChats:
     def __init__(self, store: ResponseStore) -> None:
         self.store = store
 
-    async def keep(self, completion: dict, messages: list[dict], metadata: Mapping[str, str] | None) -> None:
-        given = [{"id": f"{completion['id']}-{i}", **message} for i, message in enumerate(messages)]
-        await self.store.put(completion["id"], {"completion": {**completion, "metadata": dict(metadata or {})},
-                                                "messages": given, "stored_at": time.time()})
+    async def keep(self, completion: dict, chat: StoredChat, owner: str | None) -> None:
+        """Keep `completion` for `owner` (api/guards.py `owner_of` of its key; None: no keys)."""
+        given = [{"id": f"{completion['id']}-{i}", **message} for i, message in enumerate(chat.messages)]
+        await self.store.put(completion["id"], {"completion": {**completion, "metadata": dict(chat.metadata or {})},
+                                                "messages": given, "stored_at": time.time(), "owner": owner})
 
-    async def get(self, completion_id: str) -> dict:
+    async def get(self, completion_id: str, owner: str | None) -> dict:
+        """The stored completion, if it is `owner`'s (another's is as unknown as a missing one)."""
         stored = await self.store.get(completion_id) if completion_id.startswith(PREFIX) else None
-        if stored is None:
+        if stored is None or stored.get("owner") != owner:
             raise _not_stored(completion_id)
         return stored
 
-    async def update(self, completion_id: str, metadata: Mapping[str, str] | None) -> dict:
+    async def update(self, completion_id: str, metadata: Mapping[str, str] | None, owner: str | None) -> dict:
         check_metadata(metadata)
-        stored = await self.get(completion_id)
+        stored = await self.get(completion_id, owner)
         stored = {**stored, "completion": {**stored["completion"], "metadata": dict(metadata or {})}}
-        await self.store.put(completion_id, stored)
+        if not await self.store.replace(completion_id, stored, None):  # deleted meanwhile: not brought back
+            raise _not_stored(completion_id)
         return stored["completion"]
 
-    async def delete(self, completion_id: str) -> dict:
-        if not (completion_id.startswith(PREFIX) and await self.store.delete(completion_id)):
+    async def delete(self, completion_id: str, owner: str | None) -> dict:
+        await self.get(completion_id, owner)
+        if not await self.store.delete(completion_id):
             raise _not_stored(completion_id)
         return {"object": "chat.completion.deleted", "id": completion_id, "deleted": True}
 
     async def list(self, model: str | None, metadata: Mapping[str, str], after: str | None, limit: int,
-                   order: str) -> dict:
+                   order: str, owner: str | None) -> dict:
         stored = sorted(await self.store.select(PREFIX), key=lambda s: s["stored_at"])
         found = [s["completion"] for s in stored
-                 if (model is None or s["completion"]["model"] == model)
+                 if s.get("owner") == owner and (model is None or s["completion"]["model"] == model)
                  and all(s["completion"]["metadata"].get(k) == v for k, v in metadata.items())]
         return page(found, after, limit, order, key=lambda c: c["id"])
 
-    async def messages(self, completion_id: str, after: str | None, limit: int, order: str) -> dict:
-        return page((await self.get(completion_id))["messages"], after, limit, order, key=lambda m: m["id"])
+    async def messages(self, completion_id: str, after: str | None, limit: int, order: str,
+                       owner: str | None) -> dict:
+        return page((await self.get(completion_id, owner))["messages"], after, limit, order, key=lambda m: m["id"])
 
 
 def _not_stored(completion_id: str) -> ApiError:

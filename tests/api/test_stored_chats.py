@@ -76,3 +76,19 @@ def test_bad_stored_completion_requests_are_a_400_naming_the_parameter(real_serv
         assert response.status_code == 404 and response.json()["error"]["param"] == "completion_id", response.text
     assert httpx.get(f"{url}/resp_unknown/messages").status_code == 404
     assert httpx.post(f"{url}/{kept['id']}", json={"metadata": None}).json()["metadata"] == {}  # null: none
+
+
+def test_a_stored_chats_id_is_no_responses_id_on_any_route(real_server):
+    """The Responses routes read only `resp_` ids: a stored chat's id is a 404 there (a 400 as a
+    `previous_response_id`), never a 500, and a DELETE there leaves the chat stored."""
+    base = f"{real_server.base_url}/v1"
+    kept = httpx.post(f"{base}/chat/completions", json={"messages": MESSAGES, **ASKED, "store": True}, timeout=60).json()
+    chat_id = kept["id"]
+    for method, path in (("GET", f"/responses/{chat_id}"), ("GET", f"/responses/{chat_id}/input_items"),
+                         ("POST", f"/responses/{chat_id}/cancel"), ("DELETE", f"/responses/{chat_id}")):
+        response = httpx.request(method, base + path)
+        assert response.status_code == 404 and response.json()["error"]["param"] == "response_id", (path, response.text)
+    continued = httpx.post(f"{base}/responses", json={"input": "hi", "previous_response_id": chat_id,
+                                                      "max_output_tokens": 2}, timeout=60)
+    assert continued.status_code == 400 and continued.json()["error"]["param"] == "previous_response_id"
+    assert httpx.get(f"{base}/chat/completions/{chat_id}").json()["id"] == chat_id  # still stored

@@ -123,3 +123,31 @@ def test_an_unreachable_ledger_holds_no_request_and_gets_its_events_once_back(le
         assert ledgers.current.get("x")["status"] == "finished"
 
     run(body())
+
+
+class Frames:
+    """A replica's connection as the ledger reads it: these frames, then its end; the acks it got."""
+
+    def __init__(self, frames: list) -> None:
+        self.frames, self.acks = list(frames), []
+
+    async def recv(self):
+        return self.frames.pop(0) if self.frames else None
+
+    def send(self, seq) -> None:
+        self.acks.append(seq)
+
+
+def test_a_batch_sent_again_after_its_ack_was_lost_is_recorded_once(tmp_path):
+    """A replica sends a batch again when its connection ended before the ack came (deployments/
+    ledger.py LedgerBuffer): the ledger acknowledges it again and records it once."""
+    ledger = LedgerActor.__ray_actor_class__(max_records=100, journal=str(tmp_path / "journal.jsonl"))
+    first = [(1, [("app/Ingress#1", [Arrived("a", 3, 16), TokensCommitted("a", (5,))])])]
+    again = [*first, (2, [("app/Ingress#1", [Finished("a", Length(), 3, 1)])])]
+    asyncio.run(ledger._serve(Frames(first)))
+    connection = Frames(again)
+    asyncio.run(ledger._serve(connection))
+    record = ledger.get("a")
+    assert connection.acks == [1, 2]
+    assert [e["name"] for e in record["events"]] == ["arrived", "tokens_committed", "finished"]
+    assert record["violations"] == [] and ledger.summary()["invariant_violations"] == 0

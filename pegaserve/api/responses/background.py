@@ -34,6 +34,7 @@ from pegaserve.api.responses.store import ACTIVE, ResponseStore
 
 log = logging.getLogger(__name__)
 
+PREFIX = "resp_"  # a response's id; the store's other keys are stored chats' (`chatcmpl-`), never read here
 POLL_S = 0.5
 FLUSH_S = 0.05  # a streamed response's new events reach the store (and readers through other replicas) this often
 LOST_AFTER_POLLS = 10  # a response whose generation has not looked for this many polls is lost
@@ -75,9 +76,15 @@ class BackgroundResponses:
         self._running: dict[str, asyncio.Task] = {}
         self._streams: dict[str, _Events] = {}  # the streamed responses generated here
 
-    async def get(self, response_id: str) -> dict | None:
-        """The stored response, as readers see it: one whose generation stopped looking is `failed`."""
-        stored = await self.store.get(response_id)
+    async def get(self, response_id: str, owner: str | None) -> dict | None:
+        """The stored response, if it is `owner`'s (api/guards.py `owner_of`; None: no keys)."""
+        stored = await self._read(response_id)
+        return stored if stored is not None and stored.get("owner") == owner else None
+
+    async def _read(self, response_id: str) -> dict | None:
+        """The stored response, as readers see it: one whose generation stopped looking is `failed`.
+        None for an id that is not a response's."""
+        stored = await self.store.get(response_id) if response_id.startswith(PREFIX) else None
         if stored is None or stored["response"]["status"] not in ACTIVE or stored["alive_until"] >= time.time():
             return stored
         return await self._ended(response_id, stored, status="failed", error={
@@ -139,7 +146,7 @@ class BackgroundResponses:
                 after += len(new)
                 if ended:
                     return
-        while (stored := await self.get(response_id)) is not None:  # generated elsewhere, or over
+        while (stored := await self._read(response_id)) is not None:  # generated elsewhere, or over
             for event in stored.get("events", ())[after + 1:]:
                 yield event
                 after += 1

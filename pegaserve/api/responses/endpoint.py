@@ -35,7 +35,7 @@ from pegaserve.api.errors import ApiError, invalid
 from pegaserve.api.frontend import Job, new_response_id
 from pegaserve.api.jobs import chat_job, chat_prompt_ids
 from pegaserve.api.protocol import REFUSED_RESPONSES, ChatCompletionRequest, ResponsesRequest, SamplingKnobs
-from pegaserve.api.responses.background import BackgroundResponses
+from pegaserve.api.responses.background import PREFIX, BackgroundResponses
 from pegaserve.api.responses.store import ACTIVE
 from pegaserve.api.responses.view import ResponseView, input_items
 from pegaserve.api.stored_chats import check_metadata
@@ -48,12 +48,12 @@ _ROLES = ("user", "system", "developer", "assistant")
 LOGPROBS = "message.output_text.logprobs"
 
 
-async def continued(responses: BackgroundResponses, body: ResponsesRequest) -> dict | None:
+async def continued(responses: BackgroundResponses, body: ResponsesRequest, owner: str | None) -> dict | None:
     """The stored response that `body` continues (`previous_response_id`), if it names one, as
     `responses` (background.BackgroundResponses) reads it."""
     if body.previous_response_id is None:
         return None
-    stored = await responses.get(body.previous_response_id)
+    stored = await responses.get(body.previous_response_id, owner)
     if stored is None:
         raise invalid("previous_response_id", f"no stored response {body.previous_response_id[:80]!r} (it was "
                                               "not stored, was deleted, or is past the store's most recent)")
@@ -64,7 +64,7 @@ async def continued(responses: BackgroundResponses, body: ResponsesRequest) -> d
 
 
 def responses_job(frontend, body: ResponsesRequest, header_id: str | None,
-                  previous: dict | None = None) -> tuple[Job, ResponseView]:
+                  previous: dict | None = None, owner: str | None = None) -> tuple[Job, ResponseView]:
     """The chat job that runs `body` (continuing `previous`, a stored response), under a `resp_`
     id (the ledger's key too), and its view."""
     v.check_refused(body, REFUSED_RESPONSES, "is not supported here")
@@ -91,10 +91,10 @@ def responses_job(frontend, body: ResponsesRequest, header_id: str | None,
         job = chat_job(frontend, chat, header_id)
     except ApiError as exc:
         raise _renamed(exc) from None
-    response_id = new_response_id("resp").replace("-", "_")
+    response_id = new_response_id(PREFIX.rstrip("_")).replace("-", "_")
     job = replace(job, response_id=response_id, include_usage=True, continuous_usage=False)
     store = frontend.responses if body.store and not body.background else None  # (background: its runner stores it)
-    return job, ResponseView(body, response_id, job.wire.model, store, history)
+    return job, ResponseView(body, response_id, job.wire.model, store, history, owner)
 
 
 def _dropped(frontend, body: ResponsesRequest, history: list[dict]) -> int:

@@ -38,9 +38,10 @@ class ResponseStore(ABC):
         """Everything stored under an id that starts with `prefix`."""
 
     @abstractmethod
-    async def replace(self, response_id: str, stored: dict, statuses: tuple[str, ...]) -> bool:
-        """Store `stored` in place of what is there, if its response's status is one of `statuses`
-        (at once: nothing comes between the look and the write); whether it did."""
+    async def replace(self, response_id: str, stored: dict, statuses: tuple[str, ...] | None) -> bool:
+        """Store `stored` in place of what is there, if something is and (unless `statuses` is None)
+        its response's status is one of `statuses` (at once: nothing comes between the look and the
+        write); whether it did."""
 
     @abstractmethod
     async def keep_alive(self, response_id: str, until: float) -> bool:
@@ -73,9 +74,9 @@ class MemoryResponseStore(ResponseStore):
     async def select(self, prefix: str) -> list[dict]:
         return [stored for key, stored in self._stored.items() if key.startswith(prefix)]
 
-    async def replace(self, response_id: str, stored: dict, statuses: tuple[str, ...]) -> bool:
+    async def replace(self, response_id: str, stored: dict, statuses: tuple[str, ...] | None) -> bool:
         present = self._stored.get(response_id)
-        if present is None or present["response"]["status"] not in statuses:
+        if present is None or (statuses is not None and present["response"]["status"] not in statuses):
             return False
         await self.put(response_id, stored)  # never suspends: the look and the write are one step
         return True

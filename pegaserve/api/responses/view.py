@@ -67,12 +67,13 @@ class ResponseView:
     """A chat completion (its body, or its chunks) as the Responses API's response (or events)."""
 
     def __init__(self, body: ResponsesRequest, response_id: str, model: str, store: ResponseStore | None = None,
-                 history: list[dict] = ()) -> None:
+                 history: list[dict] = (), owner: str | None = None) -> None:
         self.body = body
         self.id = response_id
         self.model = model
         self.store = store  # None: not stored here (not stored, or by the background runner)
         self.history = list(history)
+        self.owner = owner  # whose key asked (api/guards.py `owner_of`): only it reads the stored response
         self.given = [{"id": _id("msg"), "type": "message", **item} for item in input_items(body)]
         self.created_at = int(time.time())
         self._sequence = 0
@@ -104,7 +105,8 @@ class ResponseView:
 
     def stored(self, response: dict) -> dict:
         """What the store keeps of `response`: it, its input items, and the conversation to continue."""
-        return {"response": response, "input": self.given, "items": [*self.history, *self.given, *response["output"]]}
+        return {"response": response, "input": self.given, "items": [*self.history, *self.given, *response["output"]],
+                "owner": self.owner}
 
     async def _kept(self, response: dict) -> dict:
         """`response`, once stored: before the client can name it as a previous response."""
