@@ -28,7 +28,7 @@ def real_frontend(engine_config: EngineConfig = EngineConfig(num_blocks=512)) ->
 
 
 def client_for(app) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=120)
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1", timeout=120)
 
 
 def raw_json(body) -> bytes:

@@ -225,7 +225,7 @@ def test_a_response_whose_generation_stopped_looking_reads_as_failed_not_in_prog
         running = view.with_status("in_progress")
         await store.put("resp_lost", {**view.stored(running), "alive_until": time.time() - 1})  # its replica died
         await store.put("resp_alive", {**view.stored(running), "alive_until": time.time() + 60})
-        lost, alive = await responses.get("resp_lost"), await responses.get("resp_alive")
+        lost, alive = await responses.get("resp_lost", None), await responses.get("resp_alive", None)
         return [lost["response"]["status"], lost["response"]["error"]["code"],
                 (await store.get("resp_lost"))["response"]["status"], alive["response"]["status"]]
 
