@@ -321,3 +321,19 @@ def test_metrics_reach_the_ray_prometheus_endpoint(gloo_url):
     assert any('stop_cause="length"' in line and 'deployment="Ingress"' in line for line in finished)
     assert any('transport="gloo"' in line for line in text.splitlines()
                if line.startswith("ray_pegaserve_kv_transfer_bytes_total{"))
+
+
+def test_api_keys_hold_under_the_apps_route_prefix(ray_serve):
+    """Behind Serve the app is mounted at its route_prefix (/keyed): the guard reads the route's
+    path, so every route but /health needs a key there, as at /."""
+    url = deploy("keyed", {"mode": "colocated", "api_keys": ["key-a"], "engine": {"num_blocks": 128}})
+    body = {"prompt": PROMPTS[0], "max_tokens": 2}
+    try:
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 401
+        for path in ("/v1/models", "/admin/ledger", "/openapi.json", "/docs"):
+            assert httpx.get(f"{url}{path}", timeout=60).status_code == 401, path
+        ok = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer key-a"}, timeout=60)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+        assert httpx.get(f"{url}/health", timeout=60).status_code == 200
+    finally:
+        serve.delete("keyed")
