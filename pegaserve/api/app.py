@@ -120,7 +120,9 @@ def build_app(frontend: Frontend, api_keys: tuple[str, ...] = (), max_inflight: 
         previous = await continued(frontend.background, body, _owner(request))
 
         def build() -> tuple[Job, ResponseView]:
-            return responses_job(frontend, body, _client_id(request, body, echo_request_id), previous, _owner(request))
+            job, view = responses_job(frontend, body, _client_id(request, body, echo_request_id), previous,
+                                      _owner(request))
+            return replace(job, owner=_owner(request)), view
 
         job, view = await off_the_loop_if_large(raw, build)
         if body.background:

@@ -64,8 +64,15 @@ class Job:
         plan = self.prompts[p]
         request_id = self.response_id if len(self.prompts) == 1 else f"{self.response_id}-{p}"
         return EngineRequest(request_id, plan.prompt_token_ids, plan.sampling, plan.policy, n=self.n,
-                             num_prompt_logprobs=plan.num_prompt_logprobs, cache_salt=plan.cache_salt,
+                             num_prompt_logprobs=plan.num_prompt_logprobs, cache_salt=self.cache_salt(plan),
                              priority=plan.priority, prediction=plan.prediction)
+
+    def cache_salt(self, plan: PromptPlan) -> str | None:
+        """The prompt's cache salt: with keys, the key's owner salts every prompt (the client's salt
+        after it), so `cached_tokens` never tells one tenant what another's prompts held."""
+        if self.owner is None:
+            return plan.cache_salt
+        return self.owner if plan.cache_salt is None else f"{self.owner}/{plan.cache_salt}"
 
     def results(self) -> list[ChoiceResult]:
         return [ChoiceResult(p * self.n + j, plan.prompt_token_ids, plan.echo_text)
@@ -197,7 +204,7 @@ class Frontend:
                                       SamplingParams(temperature=0.0, num_top_logprobs=alternatives),
                                       StopPolicy(max_tokens=1, ignore_eos=True),
                                       num_prompt_logprobs=plan.num_prompt_logprobs if number == 1 else None,
-                                      cache_salt=plan.cache_salt, priority=plan.priority)
+                                      cache_salt=job.cache_salt(plan), priority=plan.priority)
                         for i, context in enumerate(contexts)]
             outputs = await self._one_token_each(requests, job.client_request_id)
             if number == 1:

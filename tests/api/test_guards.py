@@ -265,3 +265,25 @@ def test_a_request_past_its_work_or_echo_budget_is_a_400_naming_it(tiny_model_di
             assert (await c.post("/v1/completions", json={"prompt": PROMPT, "n": 2, "max_tokens": 200})).status_code == 200
 
     asyncio.run(run())
+
+
+def test_with_keys_the_prefix_cache_is_each_keys_own(server):
+    """`cached_tokens` would tell one tenant what another's prompts held: with keys, each key's
+    prompts are salted apart (the client's own salt after it), one key's repeat still hits."""
+    other = "sk-test-other"
+    app = build_app(server, api_keys=(KEY, other))
+    prompt = "the same long shared prefix " * 8
+
+    async def cached(c, key: str, **extra) -> int:
+        r = await c.post("/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                         json={"prompt": prompt, "max_tokens": 1, **extra})
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    async def run():
+        async with client_for(app) as c:
+            assert await cached(c, KEY) == 0
+            assert await cached(c, KEY) > 0  # the key's own repeat hits
+            assert await cached(c, other) == 0  # another key's does not
+            assert await cached(c, other, cache_salt="s") == 0 and await cached(c, other, cache_salt="s") > 0
+
+    asyncio.run(run())
