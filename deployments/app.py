@@ -17,6 +17,7 @@ from pegaserve.deployments.prefill import Prefill
 def build_app(args: dict) -> Application:
     parsed = AppArgs.model_validate(args)  # a bad config fails here, with pydantic's message
     plain = parsed.model_dump(mode="json")
+    engines = parsed.without_keys().model_dump(mode="json")  # engine replicas need no key: none in their args
     if parsed.mode == "colocated":
-        return Ingress.bind(plain, colocated=Colocated.bind(plain))
-    return Ingress.bind(plain, prefill=Prefill.bind(plain), decode=Decode.bind(plain))
+        return Ingress.bind(plain, colocated=Colocated.bind(engines))
+    return Ingress.bind(plain, prefill=Prefill.bind(engines), decode=Decode.bind(engines))

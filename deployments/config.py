@@ -9,6 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 import pegaserve.deployments.transports  # noqa: F401 - registers the Ray-backed KV transports
 from pegaserve.api.guards import LOOPBACK_HOSTS
+from pegaserve.api.responses.store import MAX_BYTES as MAX_STORED_BYTES
+from pegaserve.api.responses.store import MAX_RESPONSES as MAX_STORED_RESPONSES
 from pegaserve.api.model_info import served_name
 from pegaserve.attention.registry import AUTO, check_backend_name
 from pegaserve.config import EngineConfig, Limits, SpeculativeConfig
@@ -21,6 +23,7 @@ from pegaserve.pd.transports.registry import (
 )
 
 API_KEYS_ENV = "PEGASERVE_API_KEYS"
+ADMIN_API_KEYS_ENV = "PEGASERVE_ADMIN_API_KEYS"
 # every default below is pegaserve.config's, written there once
 ENGINE, SPECULATIVE, LIMITS = EngineConfig(), SpeculativeConfig(), Limits()
 
@@ -113,8 +116,11 @@ class AppArgs(BaseModel):
         "token and the finish are never held); more trades streaming granularity for throughput"
     )
     ledger_max_records: int = Field(10_000, ge=1)
+    max_stored_bytes: int = Field(
+        MAX_STORED_BYTES, ge=1 << 20, description="the stored responses and chat completions, at most this many bytes "
+        "of JSON; the oldest go first, a background response still running never")
     max_stored_responses: int = Field(
-        1000, ge=1, description="the Responses API's stored responses (store: true) kept, the most recent")
+        MAX_STORED_RESPONSES, ge=1, description="the Responses API's stored responses (store: true) kept, the most recent")
     ledger_orphan_timeout_s: float = Field(
         30.0, ge=1, description="an ingress replica silent this long has died: its open records end as errors")
     ledger_journal: str | None = Field(
@@ -125,6 +131,10 @@ class AppArgs(BaseModel):
         description="when non-empty, every route but /health needs `Authorization: Bearer <key>`; "
         f"{API_KEYS_ENV} (comma-separated) adds keys without writing them into the YAML",
     )
+    admin_api_keys: list[str] = Field(
+        default_factory=list,
+        description="when non-empty, /admin needs one of these (and api_keys no longer open it); "
+        f"{ADMIN_API_KEYS_ENV} (comma-separated) adds keys without writing them into the YAML")
     allowed_hosts: list[str] = Field(
         default_factory=lambda: list(LOOPBACK_HOSTS),
         description="without api_keys, the Host names served (a request naming another is a 400, so that a web "
@@ -166,6 +176,17 @@ class AppArgs(BaseModel):
         return served_name(self.model)
 
     def all_api_keys(self) -> tuple[str, ...]:
-        extra = [k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
-        return tuple(dict.fromkeys([*self.api_keys, *extra]))
+        return _with_env(self.api_keys, API_KEYS_ENV)
+
+    def all_admin_api_keys(self) -> tuple[str, ...]:
+        return _with_env(self.admin_api_keys, ADMIN_API_KEYS_ENV)
+
+    def without_keys(self) -> "AppArgs":
+        """These arguments with no key in them (what the engine replicas are given)."""
+        return self.model_copy(update={"api_keys": [], "admin_api_keys": []})
+
+
+def _with_env(keys: list[str], env: str) -> tuple[str, ...]:
+    extra = [k.strip() for k in os.environ.get(env, "").split(",") if k.strip()]
+    return tuple(dict.fromkeys([*keys, *extra]))
 

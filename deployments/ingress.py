@@ -47,14 +47,15 @@ class Ingress:
             engine = DisaggregatedClient(prefill, decode, self.inbox, self.name, info.name, self.args.max_migrations,
                                          ledger, self.args.stream_interval)
         limits = Limits(**self.args.limits.model_dump(), scheduling_policy=self.args.engine.scheduling_policy)
-        responses = ActorResponseStore(self.args.max_stored_responses, buffer.detached)
+        responses = ActorResponseStore(self.args.max_stored_responses, self.args.max_stored_bytes, buffer.detached)
         self.frontend = Frontend(engine, tokenizer, info, ledger, limits, IngressMetrics(info.name), responses)
         freeze_startup_heap()
 
     def __serve_build_asgi_app__(self):
         # Serve answers every request with its X-Request-Id (the client's, else one it made): not twice
         app = build_app(self.frontend, self.args.all_api_keys(), self.args.max_inflight_requests,
-                        echo_request_id=False, allowed_hosts=tuple(self.args.allowed_hosts))
+                        echo_request_id=False, allowed_hosts=tuple(self.args.allowed_hosts),
+                        admin_api_keys=self.args.all_admin_api_keys())
         app.add_middleware(HttpStatusMetrics, model=self.args.served_name)  # outermost: counts the guards' too
         return app
 

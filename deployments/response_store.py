@@ -16,8 +16,8 @@ class ResponseStoreActor:
     """Memory only: restarted by Ray when it dies, it has lost what it held (a continuation of a
     lost response is a 400 naming `previous_response_id`)."""
 
-    def __init__(self, max_responses: int) -> None:
-        self.store = MemoryResponseStore(max_responses)
+    def __init__(self, max_responses: int, max_bytes: int) -> None:
+        self.store = MemoryResponseStore(max_responses, max_bytes)
 
     async def put(self, response_id: str, stored: dict) -> None:
         await self.store.put(response_id, stored)
@@ -41,9 +41,9 @@ class ResponseStoreActor:
 class ActorResponseStore(ResponseStore):
     """The store actor, called off the request (`DetachedCalls`: a cancelled client leaves no gap)."""
 
-    def __init__(self, max_responses: int, detached: DetachedCalls) -> None:
+    def __init__(self, max_responses: int, max_bytes: int, detached: DetachedCalls) -> None:
         self.actor = ResponseStoreActor.options(name=RESPONSE_STORE_NAME, namespace=NAMESPACE, get_if_exists=True,
-                                                lifetime="detached").remote(max_responses)
+                                                lifetime="detached").remote(max_responses, max_bytes)
         self.detached = detached
 
     async def put(self, response_id: str, stored: dict) -> None:

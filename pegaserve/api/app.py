@@ -43,16 +43,19 @@ T = TypeVar("T")
 
 
 def build_app(frontend: Frontend, api_keys: tuple[str, ...] = (), max_inflight: int | None = None,
-              echo_request_id: bool = True, allowed_hosts: tuple[str, ...] = LOOPBACK_HOSTS) -> FastAPI:
+              echo_request_id: bool = True, allowed_hosts: tuple[str, ...] = LOOPBACK_HOSTS,
+              admin_api_keys: tuple[str, ...] = ()) -> FastAPI:
     """The OpenAI app. With `api_keys`, every route but /health needs `Authorization: Bearer`;
-    without, only `allowed_hosts` are served (api/guards.py says why); past `max_inflight`
+    with `admin_api_keys`, /admin needs one of those instead; without keys, only `allowed_hosts`
+    are served (api/guards.py says why); past `max_inflight`
     concurrent generations the API answers 429 with Retry-After. A response carries the client's X-Request-Id (or its own id) unless
     `echo_request_id` is off: behind Ray Serve, which sets that header itself, it would be there twice."""
     app = FastAPI(title="pegaserve", version="0.1.0")
     app.state.frontend = frontend
     _install_error_handlers(app)
     app.add_middleware(Guards, api_keys=tuple(api_keys), max_body_bytes=frontend.limits.max_body_bytes,
-                       max_inflight=max_inflight, allowed_hosts=tuple(allowed_hosts))
+                       max_inflight=max_inflight, allowed_hosts=tuple(allowed_hosts),
+                       admin_api_keys=tuple(admin_api_keys))
 
     @app.get("/health")
     async def health() -> dict:

@@ -4,7 +4,7 @@ limit, and admission control.
 Every check reads the route's path, the request's path less the app's `root_path` (where it is
 mounted: a Serve `route_prefix`, a reverse proxy's prefix), as the router does; so what is guarded
 does not depend on where the app is mounted. With keys, every route but /health needs one (the
-OpenAPI schema and docs included). Without keys, only requests whose Host names this machine's
+OpenAPI schema and docs included; with admin keys, /admin takes only those). Without keys, only requests whose Host names this machine's
 loopback (or an allowed host) are served: a web page a local browser opens cannot reach the server
 through a DNS name rebound to 127.0.0.1. A POST body must be JSON (`content-type:
 application/json`): a page cannot send one cross-origin without the browser asking first (a form's
@@ -32,9 +32,10 @@ LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 class Guards:
     def __init__(self, app, api_keys: tuple[str, ...] = (), max_body_bytes: int = Limits.max_body_bytes,
                  max_inflight: int | None = None, retry_after_s: int = 1,
-                 allowed_hosts: tuple[str, ...] = LOOPBACK_HOSTS) -> None:
+                 allowed_hosts: tuple[str, ...] = LOOPBACK_HOSTS, admin_api_keys: tuple[str, ...] = ()) -> None:
         self.app = app
         self.api_keys = tuple(k.encode() for k in api_keys if k)  # an empty key would admit an empty token
+        self.admin_api_keys = tuple(k.encode() for k in admin_api_keys if k)
         self.allowed_hosts = None if "*" in allowed_hosts else frozenset(h.lower() for h in allowed_hosts)
         self.max_body_bytes = max_body_bytes
         self.max_inflight = max_inflight
@@ -47,8 +48,10 @@ class Guards:
             return
         path = route_path(scope)
         headers = dict(scope.get("headers") or [])
-        if self.api_keys:
-            key = self._key(headers)
+        admin = self.admin_api_keys and (path == "/admin" or path.startswith("/admin/"))
+        keys = self.admin_api_keys if admin else self.api_keys
+        if keys:
+            key = self._key(headers, keys)
             if key is not None:
                 scope.setdefault("state", {})["owner"] = owner_of(key)
             elif path not in PUBLIC_PATHS:
@@ -84,13 +87,14 @@ class Guards:
             return
         await self.app(scope, receive, send)
 
-    def _key(self, headers: dict[bytes, bytes]) -> bytes | None:
-        """The configured key the request's bearer token is, if it is one."""
+    @staticmethod
+    def _key(headers: dict[bytes, bytes], keys: tuple[bytes, ...]) -> bytes | None:
+        """The one of `keys` the request's bearer token is, if it is one."""
         scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
         token = token.strip()
         if scheme.lower() != b"bearer" or not token:
             return None
-        return next((key for key in self.api_keys if hmac.compare_digest(token, key)), None)
+        return next((key for key in keys if hmac.compare_digest(token, key)), None)
 
 
 def owner_of(key: bytes) -> str:

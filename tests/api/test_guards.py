@@ -287,3 +287,18 @@ def test_with_keys_the_prefix_cache_is_each_keys_own(server):
             assert await cached(c, other, cache_salt="s") == 0 and await cached(c, other, cache_salt="s") > 0
 
     asyncio.run(run())
+
+
+def test_admin_keys_alone_open_the_admin_routes(server):
+    admin = "sk-admin-1"
+    app = build_app(server, api_keys=(KEY,), admin_api_keys=(admin,))
+
+    async def run():
+        async with client_for(app) as c:
+            for path in ("/admin/ledger", "/admin/stats"):
+                assert (await c.get(path, headers={"Authorization": f"Bearer {KEY}"})).status_code == 401, path
+                assert (await c.get(path, headers={"Authorization": f"Bearer {admin}"})).status_code == 200, path
+            assert (await c.get("/v1/models", headers={"Authorization": f"Bearer {admin}"})).status_code == 401
+            assert (await c.get("/v1/models", headers={"Authorization": f"Bearer {KEY}"})).status_code == 200
+
+    asyncio.run(run())

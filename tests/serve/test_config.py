@@ -35,3 +35,18 @@ def test_bad_args_fail_with_a_message_naming_the_problem(tiny_model_dir, bad, ne
     with pytest.raises(ValidationError) as info:
         AppArgs.model_validate(bad)
     assert needle in str(info.value)
+
+
+def test_the_engine_replicas_are_given_no_key(monkeypatch):
+    """Keys are the ingress's alone: the engine deployments' arguments (readable through Serve's
+    config API and the dashboard) hold none."""
+    from pegaserve.deployments.app import build_app
+
+    app = build_app({"api_keys": ["key-a"], "admin_api_keys": ["admin-a"]})
+    ingress = app._bound_deployment  # Ingress.bind(args, prefill=..., decode=...)
+    assert ingress.init_args[0]["api_keys"] == ["key-a"]
+    for engine in ingress.init_kwargs.values():
+        assert engine._bound_deployment.init_args[0]["api_keys"] == []
+        assert engine._bound_deployment.init_args[0]["admin_api_keys"] == []
+    monkeypatch.setenv("PEGASERVE_ADMIN_API_KEYS", "admin-b, admin-c")
+    assert AppArgs(admin_api_keys=["admin-a"]).all_admin_api_keys() == ("admin-a", "admin-b", "admin-c")

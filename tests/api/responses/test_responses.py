@@ -320,3 +320,23 @@ def test_truncation_auto_leaves_out_the_conversations_start_until_it_fits(real):
     short = client(real).responses.create(model="qwen3-tiny", input=tool_turns, truncation="auto",
                                           max_output_tokens=4, temperature=0)
     assert short.usage.input_tokens == tokens([tool_turns[-1]], system=False)
+
+
+def test_the_store_is_bounded_in_bytes_and_never_drops_a_running_background_response():
+    store = MemoryResponseStore(max_responses=100, max_bytes=3000)
+    running = {"response": {"status": "in_progress"}, "pad": "r" * 1000}
+
+    async def run() -> list:
+        await store.put("resp_running", running)
+        for key in ("a", "b", "c"):
+            await store.put(key, {"response": {"status": "completed"}, "pad": key * 1000})
+        kept = [key for key in ("resp_running", "a", "b", "c") if await store.get(key) is not None]
+        await store.keep_alive("resp_running", 1.0, [{"type": "e", "pad": "x" * 1500}])  # its events grow it
+        await store.put("d", {"response": {"status": "completed"}, "pad": "d"})
+        after = [key for key in ("resp_running", "a", "b", "c", "d") if await store.get(key) is not None]
+        await store.delete("d")
+        return [kept, after, store.num_bytes <= 3000]
+
+    kept, after, within = asyncio.run(run())
+    assert kept == ["resp_running", "c"]  # the oldest done ones went; the running one, older, stayed
+    assert after[0] == "resp_running" and "d" in after and within
